@@ -1,0 +1,140 @@
+# Chapter 05 (05_attention_backends.ipynb): the pure-torch reference attention backend.
+"""Paged attention in plain torch, for any batch: prefill with or without a cached prefix,
+decode, grouped-query attention, padding requests, any page size.
+
+``prepare_metadata`` does all the bookkeeping once per batch:
+
+- ``kv_slots [Bp, L]``: for request ``b``, the pool slots of its key positions ``0 .. L_b - 1``
+  (``L = max device_len``; shorter rows are padded with a valid slot and masked out);
+- ``q_index [Bp, Qmax]``: which of the ``T`` query rows belong to request ``b`` (prefill only);
+- ``mask``: may query ``i`` of request ``b`` (absolute position ``cached_len + i``) see key ``j``?
+  Bottom-right causal: ``j <= cached_len + i`` and ``j < device_len``.
+
+``forward`` (once per layer) then only stores, gathers and calls one
+``scaled_dot_product_attention`` for the whole batch. Grouped-query attention is folded into the
+query rows: the ``G = Hq / Hkv`` query heads that share a KV head become ``G`` times more rows of
+that KV head, so K and V are never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.core import Batch, get_global_ctx
+from minisgl.distributed import get_tp_info
+from minisgl.models import ModelConfig
+from minisgl.utils import div_even
+
+from .base import BaseAttnBackend, BaseAttnMetadata
+
+
+@dataclass
+class TorchAttnMetadata(BaseAttnMetadata):
+    cu_seqlens_q: torch.Tensor  # [Bp + 1] int64: query rows of request b are cu[b] .. cu[b+1]-1
+    seq_lens: torch.Tensor  # [Bp] int64: device_len of each request (keys it attends to)
+    out_loc: torch.Tensor  # [T] int64: slot each new token's k/v is written to
+    kv_slots: torch.Tensor  # [Bp * L] int64: flattened [Bp, L] slots of every key position
+    max_kv_len: int  # L
+    max_q_len: int  # Qmax
+    q_index: torch.Tensor | None  # [Bp * Qmax] int64 rows of q per request; None in pure decode
+    o_index: torch.Tensor | None  # [T] int64: where each real query row sits in [Bp * Qmax]
+    mask: torch.Tensor | None  # [Bp, 1, G * Qmax, L] bool (True = may attend) or None
+    last_indices: torch.Tensor  # [Bp] int64: cu_seqlens_q[1:] - 1
+
+    def get_last_indices(self, bs: int) -> torch.Tensor:
+        return self.last_indices[:bs]
+
+
+def build_mask(cached_lens: torch.Tensor, extend_lens: torch.Tensor, seq_lens: torch.Tensor,
+               max_q_len: int, max_kv_len: int) -> torch.Tensor:
+    """``[Bp, Qmax, L]`` bool: query ``i`` of request ``b`` may attend to key ``j``.
+
+    Query ``i`` is absolute position ``cached_len + i``; it sees keys ``0 .. cached_len + i``
+    (bottom-right causal). Rows past a request's ``extend_len`` are padding: they see key 0 only,
+    so softmax stays finite, and their output is discarded.
+    """
+    # BEGIN SOLUTION 5.1: bottom-right causal mask, padded rows and columns handled
+    i = torch.arange(max_q_len)[None, :, None]  # [1, Qmax, 1]
+    j = torch.arange(max_kv_len)[None, None, :]  # [1, 1, L]
+    query_pos = cached_lens[:, None, None] + i  # [Bp, Qmax, 1]
+    allowed = (j <= query_pos) & (j < seq_lens[:, None, None])
+    is_pad_row = i >= extend_lens[:, None, None]
+    return torch.where(is_pad_row, j == 0, allowed)
+    # END SOLUTION
+
+
+class TorchBackend(BaseAttnBackend):
+    def __init__(self, config: ModelConfig) -> None:
+        ctx = get_global_ctx()
+        if ctx.kv_cache is None or ctx.page_table is None:
+            raise RuntimeError("create the KV pool and the page table (ctx.kv_cache, "
+                               "ctx.page_table) before the attention backend.")
+        tp = get_tp_info().size
+        self.kv_cache = ctx.kv_cache
+        self.page_table = ctx.page_table
+        self.num_qo_heads = div_even(config.num_qo_heads, tp)
+        self.num_kv_heads = div_even(config.num_kv_heads, tp, allow_replicate=True)
+        self.group = self.num_qo_heads // self.num_kv_heads
+        self.head_dim = config.head_dim
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        reqs = batch.padded_reqs if batch.padded_reqs is not None else batch.reqs
+        device = self.page_table.device
+        cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
+        seq_lens = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
+        extend = seq_lens - cached
+        cu_q = torch.zeros(len(reqs) + 1, dtype=torch.int64)
+        torch.cumsum(extend, 0, out=cu_q[1:])
+        max_q, max_kv = int(extend.max()), int(seq_lens.max())
+        # BEGIN SOLUTION 5.2: every request's key slots, padded to [Bp, L], from the page table
+        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64, device=device)
+        kv_slots = self.page_table[rows, :max_kv].long()  # [Bp, L]; past device_len: masked
+        # END SOLUTION
+        if batch.is_decode and max_q == 1:  # one query per request: no gather, mask only lengths
+            q_index = o_index = None
+            ragged = bool((seq_lens != max_kv).any())
+            mask = (torch.arange(max_kv)[None, :] < seq_lens[:, None]).view(
+                len(reqs), 1, 1, max_kv) if ragged else None
+        else:
+            offs = torch.arange(max_q)
+            q_index = (cu_q[:-1, None] + offs).clamp(max=int(cu_q[-1]) - 1)  # [Bp, Qmax]
+            valid = offs[None, :] < extend[:, None]
+            o_index = (torch.arange(len(reqs))[:, None] * max_q + offs)[valid]  # [T]
+            q_index = q_index.flatten()
+            mask = build_mask(cached, extend, seq_lens, max_q, max_kv)  # [Bp, Qmax, L]
+            # the G query heads of a KV head are G blocks of Qmax rows: repeat the mask per block
+            mask = mask[:, None].expand(-1, self.group, -1, -1).reshape(
+                len(reqs), 1, self.group * max_q, max_kv)
+        batch.attn_metadata = TorchAttnMetadata(
+            cu_seqlens_q=cu_q.to(device), seq_lens=seq_lens.to(device),
+            out_loc=batch.out_loc.to(device=device, dtype=torch.int64),
+            kv_slots=kv_slots.flatten(), max_kv_len=max_kv, max_q_len=max_q,
+            q_index=None if q_index is None else q_index.to(device),
+            o_index=None if o_index is None else o_index.to(device),
+            mask=None if mask is None else mask.to(device),
+            last_indices=(cu_q[1:] - 1).to(device))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: Batch) -> torch.Tensor:
+        md: TorchAttnMetadata = batch.attn_metadata
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        bp, L, qmax = md.seq_lens.shape[0], md.max_kv_len, md.max_q_len
+        # BEGIN SOLUTION 5.3: store first, gather each request's keys, one batched SDPA
+        self.kv_cache.store_kv(k, v, md.out_loc, layer_id)
+        k_all = self.kv_cache.k_cache(layer_id).view(-1, hkv, d).index_select(0, md.kv_slots)
+        v_all = self.kv_cache.v_cache(layer_id).view(-1, hkv, d).index_select(0, md.kv_slots)
+        k_all = k_all.view(bp, L, hkv, d).transpose(1, 2)  # [Bp, Hkv, L, D]
+        v_all = v_all.view(bp, L, hkv, d).transpose(1, 2)
+        if md.q_index is None:  # decode: q [Bp, Hq, D] -> [Bp, Hkv, G, D]
+            o = F.scaled_dot_product_attention(q.view(bp, hkv, g, d), k_all, v_all,
+                                               attn_mask=md.mask)
+            return o.reshape(bp, hkv * g, d)
+        qb = q.index_select(0, md.q_index).view(bp, qmax, hkv, g, d)
+        qb = qb.permute(0, 2, 3, 1, 4).reshape(bp, hkv, g * qmax, d)  # rows: (g, i)
+        o = F.scaled_dot_product_attention(qb, k_all, v_all, attn_mask=md.mask)
+        o = o.view(bp, hkv, g, qmax, d).permute(0, 3, 1, 2, 4).reshape(bp * qmax, hkv * g, d)
+        return o.index_select(0, md.o_index)  # [T, Hq, D]
+        # END SOLUTION

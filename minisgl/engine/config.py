@@ -1,0 +1,103 @@
+# Chapter 06 (06_engine_and_sampler.ipynb): EngineConfig.
+"""Everything needed to build an Engine, checked before anything global is touched."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from minisgl.distributed import DistributedInfo
+from minisgl.models import ModelConfig
+from minisgl.models.weight import load_hf_config, resolve_model_path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    tp_info: DistributedInfo
+    dtype: torch.dtype
+    max_running_req: int = 256
+    attention_backend: str = "auto"
+    moe_backend: str = "auto"
+    cuda_graph_bs: List[int] | None = None
+    cuda_graph_max_bs: int | None = None
+    page_size: int = 1
+    memory_ratio: float = 0.9
+    distributed_timeout: float = 60.0
+    use_dummy_weight: bool = False
+    use_pynccl: bool = True
+    max_seq_len_override: int | None = None
+    num_page_override: int | None = None
+    # CPU-build additions:
+    device: str = "auto"  # "auto": CUDA when available, else CPU
+    num_threads: int | None = None  # None: every CPU core this process may use
+
+    @functools.cached_property
+    def hf_config(self):
+        return load_hf_config(self.model_path)
+
+    @functools.cached_property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_hf(self.hf_config)
+
+    @property
+    def max_seq_len(self) -> int:
+        if self.max_seq_len_override is not None:
+            return self.max_seq_len_override
+        return self.model_config.rotary_config.max_position
+
+    @property
+    def max_forward_len(self) -> int:
+        return self.max_seq_len
+
+    @property
+    def distributed_addr(self) -> str:
+        return "tcp://127.0.0.1:2333"
+
+    def validate(self) -> None:
+        """Raise a clear error for any field that cannot work (touches no global state)."""
+        resolve_model_path(self.model_path)
+        if not isinstance(self.tp_info, DistributedInfo):
+            raise TypeError(f"tp_info must be a DistributedInfo, e.g. DistributedInfo(0, 1); got "
+                            f"{self.tp_info!r}.")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(f"dtype={self.dtype!r} is not a floating-point torch dtype: use "
+                            "torch.float32 (CPU) or torch.bfloat16 / torch.float16 (GPU).")
+        if self.max_running_req < 1:
+            raise ValueError(f"max_running_req={self.max_running_req}: need at least 1.")
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size!r}: a page holds at least one token; use "
+                             "1, or a power of two such as 4 or 16.")
+        if not 0.0 < self.memory_ratio <= 1.0:
+            raise ValueError(f"memory_ratio={self.memory_ratio}: must be in (0, 1], the share of "
+                             "available memory the weights and KV pool may use.")
+        if self.num_page_override is not None and self.num_page_override < 1:
+            raise ValueError(f"num_page_override={self.num_page_override}: need at least 1 page.")
+        if self.max_seq_len_override is not None and self.max_seq_len_override < 1:
+            raise ValueError(f"max_seq_len_override={self.max_seq_len_override}: need >= 1.")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads}: need at least 1 (or None).")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda'.")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"device={self.device!r} but CUDA is not available on this "
+                               "machine: use device='cpu' (or 'auto').")
+        from minisgl.attention import validate_attn_backend
+
+        validate_attn_backend(self.attention_backend)
+        mc = self.model_config  # reads config.json: unsupported fields fail here
+        from minisgl.models.register import MODEL_REGISTRY
+
+        if mc.architectures[0] not in MODEL_REGISTRY:
+            raise ValueError(f"unsupported architecture {mc.architectures[0]!r}; supported: "
+                             f"{', '.join(MODEL_REGISTRY.supported_names())}")
+        tp = self.tp_info.size
+        if mc.num_qo_heads % tp or (mc.num_kv_heads % tp and tp % mc.num_kv_heads):
+            ok = [n for n in range(1, mc.num_qo_heads + 1) if mc.num_qo_heads % n == 0
+                  and (mc.num_kv_heads % n == 0 or n % mc.num_kv_heads == 0)]
+            raise ValueError(f"tensor parallel size {tp} does not divide this model's heads "
+                             f"({mc.num_qo_heads} query heads, {mc.num_kv_heads} KV heads); "
+                             f"sizes that work: {ok}.")

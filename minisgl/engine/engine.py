@@ -1,0 +1,271 @@
+# Chapter 06 (06_engine_and_sampler.ipynb): the Engine: builds everything, runs one batch.
+"""The Engine builds every part of stage 1 in dependency order and runs one batch at a time.
+
+Order matters: the tp info before any layer (layers read it when built), the context before the
+model (layers read it when run), the model before the KV pool (the pool is sized from what memory
+the weights leave), the pool and page table before the attention backend (it keeps references
+to both), and the dummy request before the GraphRunner (padding uses it).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+
+from minisgl.attention import create_attention_backend, resolve_attn_backend
+from minisgl.core import Batch, Context, Req, reset_global_ctx, set_global_ctx
+from minisgl.distributed import destroy_distributed, reset_tp_info, set_tp_info
+from minisgl.kvcache import create_kvcache_pool, create_page_table
+from minisgl.layers import set_rope_device
+from minisgl.models import create_model, load_weight
+from minisgl.utils import torch_dtype
+
+from .config import EngineConfig
+from .graph import GraphRunner
+from .sample import BatchSamplingArgs, Sampler
+
+_GiB = 1 << 30
+
+
+class ForwardOutput(NamedTuple):
+    next_tokens_gpu: torch.Tensor  # [B] int32 on the engine's device
+    next_tokens_cpu: torch.Tensor  # [B] int32 on the CPU, ready to read
+    copy_done_event: Any  # None: forward_batch already waited for the copy
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process may still allocate on ``device`` (CPU: MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil  # pragma: no cover - macOS and others without /proc
+
+    return psutil.virtual_memory().available
+
+
+def _resolve_device(name: str, tp_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", tp_rank)
+    return torch.device(name)
+
+
+def _live_engine() -> "Engine | None":
+    # kept on `sys`, outside minisgl, so that reloading minisgl's modules keeps track of it
+    ref = getattr(sys, "_minisgl_live_engine", None)
+    return ref() if ref is not None else None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()  # nothing global has been touched yet
+        live = _live_engine()
+        if live is not None and not live._closed:
+            print("Engine: shutting down the Engine that was still live (one per process).")
+            live.shutdown()
+        self._closed = False
+        self._prev_threads = torch.get_num_threads()
+        self._owns = {"tp_info": False, "ctx": False}
+        try:
+            self._init(config)
+        except BaseException:
+            self._release()
+            raise
+        sys._minisgl_live_engine = weakref.ref(self)
+
+    def _init(self, config: EngineConfig) -> None:
+        # BEGIN SOLUTION 6.4: initialise every part, in dependency order
+        self.device = _resolve_device(config.device, config.tp_info.rank)
+        object.__setattr__(config, "attention_backend",  # "auto" -> a real name
+                           resolve_attn_backend(config.attention_backend, self.device))
+        self.config = config
+        set_tp_info(config.tp_info.rank, config.tp_info.size)
+        self._owns["tp_info"] = True
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(42)
+        torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        self.dtype = config.dtype
+        self.ctx = Context(page_size=config.page_size)
+        set_global_ctx(self.ctx)
+        self._owns["ctx"] = True
+        self.tp_cpu_group = None  # tp=1: no process group
+        free_before_model = available_memory(self.device)
+
+        model_config = config.model_config
+        set_rope_device(self.device)
+        with torch.device("meta"), torch_dtype(config.dtype):
+            self.model = create_model(model_config)  # placeholders only: no memory yet
+        self.model.load_state_dict(self._load_weight_state_dict(config))
+
+        self.num_pages = self._determine_num_pages(free_before_model, config)
+        self.kv_cache = create_kvcache_pool(model_config, num_pages=self.num_pages + 1,
+                                            page_size=config.page_size, dtype=self.dtype,
+                                            device=self.device)  # + 1: the dummy page
+        self.ctx.kv_cache = self.kv_cache
+        self.max_seq_len = min(config.max_seq_len, self.num_pages * config.page_size)
+        self.page_table = create_page_table(config.max_running_req, self.max_seq_len,
+                                            dummy_slot=self.num_pages * config.page_size,
+                                            device=self.device)
+        self.ctx.page_table = self.page_table
+        self.attn_backend = create_attention_backend(config.attention_backend, model_config)
+        self.ctx.attn_backend = self.attn_backend
+        self.sampler = Sampler(self.device, model_config.vocab_size)
+        self.dummy_req = Req(input_ids=torch.tensor([0], dtype=torch.int32),
+                             table_idx=config.max_running_req, cached_len=0, output_len=1,
+                             uid=-1, sampling_params=None, cache_handle=None)
+        self.graph_runner = GraphRunner(self.device, self.model, self.attn_backend,
+                                        config.cuda_graph_bs, config.cuda_graph_max_bs,
+                                        self.page_table.shape[1], model_config.vocab_size,
+                                        self.dummy_req)
+        # END SOLUTION
+
+    def _load_weight_state_dict(self, config: EngineConfig) -> dict:
+        if config.use_dummy_weight:
+            return {k: torch.randn(v.shape, dtype=v.dtype, device=self.device) * 0.02
+                    for k, v in self.model.state_dict().items()}
+        return {name: t.to(self.dtype) for name, t in load_weight(config.model_path, self.device)}
+
+    def _determine_num_pages(self, free_before_model: int, config: EngineConfig) -> int:
+        mc = config.model_config
+        cache_per_page = (2 * mc.head_dim * self.kv_cache_heads(config) * config.page_size
+                          * self.dtype.itemsize * mc.num_layers)
+        model_bytes = sum(t.numel() * t.element_size()
+                          for t in {id(t): t for t in self.model.state_dict().values()}.values())
+        if config.num_page_override is not None:
+            num_pages = config.num_page_override
+            need = (num_pages + 1) * cache_per_page
+            if need > available_memory(self.device):
+                raise MemoryError(
+                    f"num_page_override={num_pages} asks for a KV pool of {need / _GiB:.2f} GiB "
+                    f"({cache_per_page} bytes per page) but only "
+                    f"{available_memory(self.device) / _GiB:.2f} GiB is available: use fewer "
+                    "pages (or a smaller max_seq_len_override / page_size).")
+            return num_pages
+        budget = config.memory_ratio * free_before_model - model_bytes
+        # never more slots than max_running_req requests of max_seq_len tokens can use
+        useful = -(-config.max_running_req * config.max_seq_len // config.page_size)
+        num_pages = min(int(budget // cache_per_page), useful)
+        if num_pages < 1:
+            raise MemoryError(
+                f"memory_ratio={config.memory_ratio} leaves no room for the KV pool: "
+                f"{free_before_model / _GiB:.2f} GiB was available, the weights take "
+                f"{model_bytes / _GiB:.2f} GiB and one page needs {cache_per_page} bytes. Raise "
+                "memory_ratio, or set num_page_override to a number of pages that fits.")
+        return num_pages
+
+    @staticmethod
+    def kv_cache_heads(config: EngineConfig) -> int:
+        mc, tp = config.model_config, config.tp_info.size
+        return max(1, mc.num_kv_heads // tp)
+
+    # ------------------------------------------------------------------ one step
+    def _check_batch(self, batch: Batch) -> None:
+        """Clear errors for a batch that cannot be computed (cheap: a loop over the requests)."""
+        if batch.padded_reqs is None:
+            raise RuntimeError("batch.padded_reqs is not set: call "
+                               "engine.graph_runner.pad_batch(batch) first.")
+        for name in ("input_ids", "positions", "out_loc"):
+            if getattr(batch, name) is None:
+                raise RuntimeError(f"batch.{name} was never set: fill input_ids, positions and "
+                                   "out_loc before engine.forward_batch (see step() in chapter 07).")
+        if batch.attn_metadata is None:
+            raise RuntimeError("batch.attn_metadata is not set: call "
+                               "engine.attn_backend.prepare_metadata(batch) first.")
+        max_req = self.config.max_running_req
+        if batch.size > max_req:
+            raise ValueError(f"the batch has {batch.size} requests but the Engine was built with "
+                             f"max_running_req={max_req}: split the batch or raise it.")
+        seen = set()
+        width = self.page_table.shape[1]
+        for r in batch.reqs:
+            if not 0 <= r.table_idx < max_req:
+                raise IndexError(f"Req(uid={r.uid}).table_idx={r.table_idx} is outside the page "
+                                 f"table's rows 0..{max_req - 1} (row {max_req} is the dummy's).")
+            if r.table_idx in seen:
+                raise ValueError(f"table_idx={r.table_idx} is used by two requests in one batch: "
+                                 "each request needs its own page-table row.")
+            seen.add(r.table_idx)
+            if r.max_device_len > self.max_seq_len:
+                raise ValueError(f"Req(uid={r.uid}): prompt + max tokens = {r.max_device_len} > "
+                                 f"max_seq_len={self.max_seq_len}: shorten the prompt, lower "
+                                 "output_len, or build the Engine with a larger "
+                                 "max_seq_len_override.")
+            if r.device_len > width:
+                raise ValueError(f"Req(uid={r.uid}) has {r.device_len} tokens but page-table rows "
+                                 f"hold {width}.")
+        total = sum(r.extend_len for r in batch.padded_reqs)
+        for name in ("input_ids", "positions", "out_loc"):
+            t = getattr(batch, name)
+            if t.dim() != 1 or t.shape[0] != total:
+                raise ValueError(f"batch.{name} has shape {tuple(t.shape)} but the requests "
+                                 f"compute {total} tokens (sum of extend_len): rebuild it.")
+            if t.dtype.is_floating_point:
+                raise TypeError(f"batch.{name} has dtype {t.dtype}: it must hold integers "
+                                "(int32).")
+        slots = self.kv_cache.num_slots
+        lo, hi = int(batch.out_loc.min()), int(batch.out_loc.max())
+        if lo < 0 or hi >= slots:
+            raise IndexError(f"batch.out_loc holds slot {lo if lo < 0 else hi}, outside the KV "
+                             f"pool's slots 0..{slots - 1}: fill the page table with slots below "
+                             f"{slots - self.config.page_size} (the last page is the dummy's).")
+
+    def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
+        """Run the model on a prepared batch, advance each request, sample its next token."""
+        if self._closed:
+            raise RuntimeError("this Engine was shut down: build a new one.")
+        self._check_batch(batch)
+        if self.device.type != "cpu":  # inputs built on the host move to the device once
+            for name in ("input_ids", "positions", "out_loc"):
+                setattr(batch, name, getattr(batch, name).to(self.device, non_blocking=True))
+        with torch.no_grad():
+            # BEGIN SOLUTION 6.5: forward inside the context, advance the requests, sample
+            with self.ctx.forward_batch(batch):
+                if self.graph_runner.can_use_cuda_graph(batch):
+                    logits = self.graph_runner.replay(batch)
+                else:
+                    logits = self.model.forward()
+            for req in batch.reqs:
+                req.complete_one()
+            next_tokens = self.sampler.sample(logits[: batch.size], args).to(torch.int32)
+            # END SOLUTION
+        next_tokens_cpu = next_tokens.to("cpu")  # on CUDA this waits for the copy
+        return ForwardOutput(next_tokens, next_tokens_cpu, None)
+
+    # ------------------------------------------------------------------ teardown
+    def _release(self) -> None:
+        from minisgl import core
+
+        if self._owns.get("ctx") and core._GLOBAL_CTX is getattr(self, "ctx", None):
+            reset_global_ctx()
+        if self._owns.get("tp_info"):
+            reset_tp_info()
+        destroy_distributed()
+        torch.set_num_threads(self._prev_threads)
+        for name in ("model", "kv_cache", "page_table", "attn_backend", "graph_runner",
+                     "sampler", "dummy_req"):
+            self.__dict__.pop(name, None)
+        if getattr(self, "ctx", None) is not None:
+            self.ctx.kv_cache = self.ctx.attn_backend = self.ctx.page_table = None
+        gc.collect()
+
+    def shutdown(self) -> None:
+        """Release the model, the KV pool and every global this Engine set."""
+        if self._closed:
+            return
+        if getattr(self, "graph_runner", None) is not None:
+            self.graph_runner.destroy_cuda_graphs()
+        self._release()
+        self._closed = True

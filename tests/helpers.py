@@ -1,0 +1,48 @@
+"""Small helpers shared by the chapter tests (paths of the prepared models, HF references)."""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SMOL = "SmolLM2-135M-Instruct"
+TINY_MODELS = ["tiny-llama", "tiny-llama3-rope", "tiny-qwen2", "tiny-qwen3"]
+
+
+def model_path(name: str) -> pathlib.Path:
+    """Path of a prepared model; fails with the command that prepares it when missing."""
+    path = ROOT / "models" / name
+    if not (path / "config.json").exists():
+        pytest.fail(f"{path} is missing: run `make models` (or `python tools/prepare_models.py`)",
+                    pytrace=False)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def hf_model(name: str):
+    """The Hugging Face reference model (float32, eval mode), loaded once per test process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path(name), dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer(name: str = SMOL):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path(name))
+
+
+def hf_greedy(name: str, prompt_ids: list[int], n: int) -> list[int]:
+    """HF's greedy continuation of ``prompt_ids`` (n new tokens)."""
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = hf_model(name).generate(ids, max_new_tokens=n, do_sample=False,
+                                      attention_mask=torch.ones_like(ids))
+    return out[0, len(prompt_ids):].tolist()

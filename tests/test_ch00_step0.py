@@ -1,0 +1,173 @@
+"""Chapter 00: the step-0 skeleton (minisgl/step0.py) against Hugging Face transformers.
+
+References: HF's models (greedy tokens, full-sequence logits, its RMSNorm module) and plain
+per-query torch loops for attention. Exercises: 0.1 rms_norm, 0.2 attention, 0.3 decode loop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import SMOL, hf_greedy, hf_model, model_path, tokenizer
+
+from minisgl import step0
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+TEACHER_FORCED = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+PREFILL, TOTAL = 6, 12  # teacher forcing: prefill 6 tokens, then 6 single-token decode steps
+
+
+@functools.cache
+def load(name: str) -> step0.Step0Model:
+    return step0.load_model(model_path(name))
+
+
+def fixed_ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_attention(q, k, v):
+    """Plain loop: query t (the (S - T + t)-th token) attends keys 0 .. S - T + t of its KV head."""
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    out = torch.empty(T, Hq, D)
+    for t in range(T):
+        last = S - T + t
+        for h in range(Hq):
+            kh = h // (Hq // Hkv)
+            w = torch.softmax(k[: last + 1, kh] @ q[t, h] / D**0.5, dim=0)  # [last + 1]
+            out[t, h] = w @ v[: last + 1, kh]
+    return out.reshape(T, Hq * D)
+
+
+# ----------------------------------------------------------------------------- the pieces
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 32)])
+def test_rms_norm_matches_hf(shape):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    ref = LlamaRMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(shape[-1], generator=torch.Generator().manual_seed(1)) + 0.5)
+        x = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(2))
+        got, want = step0.rms_norm(x, ref.weight, 1e-6), ref(x)
+    assert got.shape == want.shape, (
+        f"Exercise 0.1 (rms_norm): output shape {tuple(got.shape)}, expected {tuple(want.shape)}; "
+        "take the mean over the last dim with keepdim=True")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: (
+        "Exercise 0.1 (rms_norm) differs from HF's LlamaRMSNorm: compute "
+        "x * rsqrt(mean(x^2 over the last dim) + eps) in float32, then multiply by weight.\n" + m))
+
+
+@pytest.mark.parametrize("T,S,Hq,Hkv", [(5, 5, 4, 2), (1, 7, 4, 2), (3, 8, 6, 3), (1, 1, 2, 1)])
+def test_attention_matches_reference(T, S, Hq, Hkv):
+    g = torch.Generator().manual_seed(T * 100 + S)
+    q, k, v = (torch.randn(n, h, 16, generator=g) for n, h in ((T, Hq), (S, Hkv), (S, Hkv)))
+    got = step0.attention(q, k, v)
+    assert got.shape == (T, Hq * 16), (
+        f"Exercise 0.2 (attention): output shape {tuple(got.shape)}, expected {(T, Hq * 16)} "
+        "(the einsum with v must give [T, Hq, D])")
+    kind = "prefill (T == S)" if T == S else f"{T} new token(s) over {S} keys (decode-like)"
+    torch.testing.assert_close(got, reference_attention(q, k, v), atol=1e-5, rtol=1e-5,
+                               msg=lambda m: (
+        f"Exercise 0.2 (attention) is wrong for {kind}: new token t may see keys "
+        f"0 .. S - T + t, so mask with torch.triu(ones(T, S), diagonal=S - T + 1); scale the "
+        f"scores by 1/sqrt(D) and softmax over the keys (last dim).\n" + m))
+
+
+def test_causal_mask_hides_the_future():
+    """Changing token 7 of a 10-token prefill must leave the logits at positions 0..6 alone."""
+    model = load("tiny-llama")
+    ids = fixed_ids(10, seed=3)
+    changed = ids.clone()
+    changed[7] = (ids[7] + 1234) % 49152
+    with torch.no_grad():
+        a = step0.forward(model, ids, torch.arange(10), [])
+        b = step0.forward(model, changed, torch.arange(10), [])
+    for t in range(7):
+        torch.testing.assert_close(b[t], a[t], atol=1e-5, rtol=1e-5, msg=lambda m, t=t: (
+            f"Exercise 0.2 (attention): the logits at position {t} changed when only token 7 "
+            f"changed, so token {t} sees the future; mask the scores above the diagonal with "
+            f"-inf.\n" + m))
+    assert not torch.allclose(a[7:], b[7:]), (
+        "the logits at positions 7..9 did not change when token 7 changed: attention ignores "
+        "the keys (Exercise 0.2) or forward does not use the new token")
+
+
+# ----------------------------------------------------------------------------- whole models
+
+
+@pytest.mark.parametrize("name", TEACHER_FORCED)
+def test_teacher_forced_logits_match_hf(name):
+    """Prefill 6 tokens, then feed tokens 6..11 one at a time through the KV lists."""
+    model, ids = load(name), fixed_ids(TOTAL)
+    with torch.no_grad():
+        want = hf_model(name)(ids[None]).logits[0].float()  # [TOTAL, V], one full forward
+        kv: list = []
+        got = step0.forward(model, ids[:PREFILL], torch.arange(PREFILL), kv)
+    assert got.shape == (PREFILL, want.shape[-1]) and got.dtype == torch.float32, (
+        f"{name}: forward must return float32 logits [T, V] = {(PREFILL, want.shape[-1])}, got "
+        f"{got.dtype} {tuple(got.shape)}")
+    torch.testing.assert_close(got, want[:PREFILL], atol=1e-4, rtol=1e-4, msg=lambda m: (
+        f"{name}: the prefill logits (positions 0..{PREFILL - 1}) differ from HF's; check "
+        "Exercise 0.1 (rms_norm) and Exercise 0.2 (attention, causal mask).\n" + m))
+    for t in range(PREFILL, TOTAL):
+        with torch.no_grad():
+            step = step0.forward(model, ids[t:t + 1], torch.tensor([t]), kv)
+        torch.testing.assert_close(step[0], want[t], atol=1e-4, rtol=1e-4, msg=lambda m, t=t: (
+            f"{name}: decode step at position {t} (one new token, {t + 1} keys) differs from "
+            "HF while the prefill matched; check Exercise 0.2 (attention): with T = 1 < S the "
+            "new token must see every cached key (diagonal = S - T + 1).\n" + m))
+    assert len(kv) == model.num_layers and all(k.shape[0] == TOTAL for k, _ in kv), (
+        f"{name}: kv should hold one [k, v] pair per layer with {TOTAL} rows each, got "
+        f"{[tuple(k.shape) for k, _ in kv]}")
+
+
+def test_llama3_rope_is_refused():
+    with pytest.raises(ValueError, match="default rope") as info:
+        step0.load_model(model_path("tiny-llama3-rope"))
+    assert "chapter 02" in str(info.value), "the error should say that chapter 02 adds llama3"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_smollm2_greedy_matches_hf(prompt):
+    ids = tokenizer()(prompt)["input_ids"]
+    steps = []
+    got = step0.generate(load(SMOL), ids, 16, on_step=lambda i, s: steps.append(i))
+    want = hf_greedy(SMOL, ids, 16)
+    assert len(got) == 16, f"generate returned {len(got)} tokens, expected 16 (Exercise 0.3)"
+    assert got[:len(want)] == want, (
+        f"{SMOL} on {prompt!r}: step 0 gives {got}, HF greedy gives {want}. If the first "
+        "token matches but later ones do not, check Exercise 0.3 (feed back the argmax token "
+        "at position len(prompt) + i - 1, keep the same kv list).")
+    assert len(want) == 16 or want[-1] in (hf_model(SMOL).generation_config.eos_token_id, 2), (
+        "HF stopped early without an end-of-sequence token")
+    assert steps == list(range(16)), (
+        f"on_step should be called with i = 0 (prefill), 1, ..., 15; got {steps} (Exercise 0.3)")
+
+
+def quick_check() -> None:
+    """Fast self-consistency smoke test of minisgl.step0 on tiny-llama (no HF model needed)."""
+    model = step0.load_model(model_path("tiny-llama"))
+    ids = fixed_ids(8, seed=5)
+    with torch.no_grad():
+        full = step0.forward(model, ids, torch.arange(8), [])  # [8, V]
+        kv: list = []
+        parts = [step0.forward(model, ids[:5], torch.arange(5), kv)]
+        parts += [step0.forward(model, ids[t:t + 1], torch.tensor([t]), kv) for t in range(5, 8)]
+    torch.testing.assert_close(torch.cat(parts), full, atol=1e-4, rtol=1e-4, msg=lambda m: (
+        "step0: prefill 5 + 3 decode steps disagrees with one 8-token prefill (Exercise 0.2)\n"
+        + m))
+    out = step0.generate(model, ids[:5].tolist(), 3)
+    with torch.no_grad():
+        again = step0.forward(model, torch.tensor(ids[:5].tolist() + out[:2]), torch.arange(7), [])
+    if out != again[4:].argmax(-1).tolist():
+        raise AssertionError(f"step0.generate gave {out}, the argmax chain of a full forward gives "
+                             f"{again[4:].argmax(-1).tolist()} (Exercise 0.3)")
+
+
+def test_quick_check():
+    quick_check()

@@ -1,0 +1,490 @@
+"""Tests for tools/workbook.py and tools/nbtools.py, each on a fake repository under tmp_path."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tools import nbtools
+from tools import workbook as wb
+
+SETUP = ("import sys, pathlib; sys.path.insert(0, str(pathlib.Path.cwd().parent))\n"
+         "from tools.nbtools import guard, reload_minisgl, run_chapter_tests\n"
+         'guard("{nn}")')
+INIT = '%%writefile ../minisgl/__init__.py\n"""minisgl (chapter 00)."""'
+NORM = ("%%writefile ../minisgl/layers/norm.py\n# minisgl/layers/norm.py (chapter 01)\n"
+        "def norm(x):\n    return x\n")
+OPS = '''%%writefile ../minisgl/ops.py
+# minisgl/ops.py (chapter 01)
+def add(a, b):
+    """Add two numbers."""
+    # BEGIN SOLUTION 1.1: return the sum of a and b
+    total = a + b
+    return total
+    # END SOLUTION
+
+
+class Scaler:
+    def __init__(self, k):
+        self.k = k
+
+    def scale(self, x):
+        """Multiply x by k."""
+        # BEGIN SOLUTION 1.2: multiply x by "k"
+        return x * self.k
+        # END SOLUTION
+'''
+OPS_STUB = '''# minisgl/ops.py (chapter 01)
+def add(a, b):
+    """Add two numbers."""
+    raise NotImplementedError("Exercise 1.1: return the sum of a and b")
+
+
+class Scaler:
+    def __init__(self, k):
+        self.k = k
+
+    def scale(self, x):
+        """Multiply x by k."""
+        raise NotImplementedError("Exercise 1.2: multiply x by \\"k\\"")
+'''
+
+
+def make_nb(nn: str, *cells: str, test: bool = True) -> nbformat.NotebookNode:
+    """A chapter notebook: setup cell, the given cells (code; '## ' starts markdown), test cell."""
+    body = [new_code_cell(SETUP.format(nn=nn))]
+    body += [new_markdown_cell(c) if c.startswith("## ") else new_code_cell(c) for c in cells]
+    if test:
+        body.append(new_code_cell(f'run_chapter_tests("{nn}")'))
+    for i, cell in enumerate(body):
+        cell["id"] = f"c{nn}-{i}"
+    return new_notebook(cells=body)
+
+
+def save(path: Path, nb) -> None:
+    """Write a notebook the way build does."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(wb.nb_bytes(nb))
+
+
+def load(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def cli(root: Path, capsys, *args: str) -> tuple[int, str]:
+    """Run the CLI on the fake repository; return (exit code, stdout + stderr)."""
+    code = wb.main(["--root", str(root), *args])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    (root / "minisgl").mkdir(parents=True)
+    (root / "minisgl" / "__init__.py").write_text('"""placeholder"""\n')
+    save(root / "solutions" / "00_intro.ipynb", make_nb("00", "## Intro", INIT))
+    save(root / "solutions" / "01_ops.ipynb", make_nb("01", "## Ops", OPS, NORM))
+    return root
+
+
+@pytest.fixture
+def built(repo: Path, capsys) -> Path:
+    # the placeholder differs from chapter 00's module: move it away like a maintainer would
+    (repo / "minisgl" / "__init__.py").unlink()
+    assert cli(repo, capsys, "build")[0] == 0
+    return repo
+
+
+def edit_learner_nb(root: Path, text: str = "# my own work\n") -> Path:
+    path = root / "notebooks" / "01_ops.ipynb"
+    nb = load(path)
+    nb.cells[2].source = nb.cells[2].source + text
+    save(path, nb)
+    return path
+
+
+# ----------------------------------------------------------------------------- stubs
+
+
+def test_stub_replaces_regions_keeping_signature_and_docstring():
+    body = OPS.split("\n", 1)[1]
+    stubbed, bodies, errors = wb.stub(body, "01", "solutions/01_ops.ipynb cell 2")
+    assert errors == []
+    assert stubbed == OPS_STUB
+    assert bodies == {"1.1": "    total = a + b\n    return total\n",
+                      "1.2": "        return x * self.k\n"}
+
+
+def test_stubbed_module_compiles_imports_and_raises(built: Path, tmp_path: Path):
+    cell = load(built / "notebooks" / "01_ops.ipynb").cells[2]
+    module = tmp_path / "stubbed_ops.py"
+    module.write_text(cell.source.split("\n", 1)[1])
+    spec = importlib.util.spec_from_file_location("stubbed_ops", module)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(NotImplementedError, match="Exercise 1.1: return the sum of a and b"):
+        mod.add(1, 2)
+    with pytest.raises(NotImplementedError, match='Exercise 1.2: multiply x by "k"'):
+        mod.Scaler(2).scale(3)
+    assert mod.add.__doc__ == "Add two numbers."
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def test_build_writes_modules_and_learner_notebooks(built: Path):
+    assert (built / "minisgl" / "ops.py").read_text() == OPS.split("\n", 1)[1]
+    assert (built / "minisgl" / "__init__.py").read_text() == '"""minisgl (chapter 00)."""\n'
+    assert (built / "minisgl" / "layers" / "norm.py").read_text() == NORM.split("\n", 1)[1]
+    sol, nb = load(built / "solutions" / "01_ops.ipynb"), load(built / "notebooks" / "01_ops.ipynb")
+    assert [c.id for c in nb.cells] == [c.id for c in sol.cells]
+    assert nb.cells[2].source == "%%writefile ../minisgl/ops.py\n" + OPS_STUB
+    for cell in nb.cells:
+        is_writefile = cell.source.startswith("%%writefile")
+        assert ("skip-execution" in cell.metadata.get("tags", [])) == is_writefile
+        assert "SOLUTION" not in cell.source and "total = a + b" not in cell.source
+        assert cell.get("outputs", []) == [] and cell.get("execution_count") is None
+    manifest = json.loads((built / wb.MANIFEST).read_text())
+    assert sorted(manifest) == ["minisgl/__init__.py", "minisgl/layers/norm.py", "minisgl/ops.py",
+                                "notebooks/00_intro.ipynb", "notebooks/01_ops.ipynb"]
+    for rel, digest in manifest.items():
+        assert hashlib.sha256((built / rel).read_bytes()).hexdigest() == digest
+
+
+def test_build_strips_solutions_keeps_tags_and_is_idempotent(built: Path, capsys):
+    path = built / "solutions" / "01_ops.ipynb"
+    nb = load(path)
+    nb.cells[0].outputs = [new_output("stream", text="hi\n")]
+    nb.cells[0].execution_count = 7
+    nb.cells[0].metadata["tags"] = ["keep-me"]
+    save(path, nb)
+    code, out = cli(built, capsys, "build")
+    assert code == 0 and "stripped" in out
+    cell = load(path).cells[0]
+    assert cell.outputs == [] and cell.execution_count is None and cell.metadata.tags == ["keep-me"]
+    before = snapshot(built)
+    code, out = cli(built, capsys, "build")
+    assert code == 0 and "build: 0 files written" in out
+    assert snapshot(built) == before
+
+
+def test_build_never_overwrites_uncommitted_learner_notebook(built: Path, capsys):
+    mine = edit_learner_nb(built).read_bytes()
+    sol = built / "solutions" / "01_ops.ipynb"  # a maintainer change that alters every output
+    nb = load(sol)
+    nb.cells[2].source += "\n\ndef sub(a, b):\n    return a - b\n"
+    save(sol, nb)
+    code, out = cli(built, capsys, "build")
+    assert code == 1
+    assert "notebooks/01_ops.ipynb" in out and "reset 01 --notebook" in out and "git stash" in out
+    assert (built / "notebooks" / "01_ops.ipynb").read_bytes() == mine
+    assert "def sub" in (built / "minisgl" / "ops.py").read_text()  # the others were updated
+
+
+def test_build_never_overwrites_committed_learner_module(built: Path, capsys):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=built,
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "workbook")
+    ops = built / "minisgl" / "ops.py"
+    ops.write_text(ops.read_text() + "\n\ndef mine():\n    return 0\n")
+    git("commit", "-qam", "my work")
+    mine = ops.read_bytes()
+    code, out = cli(built, capsys, "build")
+    assert code == 1 and "minisgl/ops.py" in out and "reset 01" in out
+    assert ops.read_bytes() == mine
+
+
+def test_build_treats_unknown_existing_file_as_learner_work(repo: Path, capsys):
+    code, out = cli(repo, capsys, "build")  # minisgl/__init__.py is not in the (absent) manifest
+    assert code == 1 and "minisgl/__init__.py" in out
+    assert (repo / "minisgl" / "__init__.py").read_text() == '"""placeholder"""\n'
+    assert (repo / "minisgl" / "ops.py").exists()
+
+
+def test_maintainer_edit_updates_files_and_removes_stale_ones(built: Path, capsys):
+    sol = built / "solutions" / "01_ops.ipynb"
+    nb = load(sol)
+    nb.cells[2].source = nb.cells[2].source.replace("../minisgl/ops.py", "../minisgl/ops2.py")
+    save(sol, nb)
+    code, out = cli(built, capsys, "build")
+    assert code == 0 and "2 files written" in out and "1 removed" in out
+    assert not (built / "minisgl" / "ops.py").exists()
+    assert (built / "minisgl" / "ops2.py").read_text() == OPS.split("\n", 1)[1]
+    assert cli(built, capsys, "check")[0] == 0
+
+
+# ----------------------------------------------------------------------------- check
+
+
+def test_check_passes_on_clean_tree(built: Path, capsys):
+    code, out = cli(built, capsys, "check")
+    assert code == 0 and "check: OK (2 notebooks, 3 modules)" in out
+
+
+@pytest.mark.parametrize("solutions", [False, True])
+def test_check_passes_on_empty_tree(tmp_path: Path, capsys, solutions: bool):
+    (tmp_path / "minisgl").mkdir()
+    (tmp_path / "minisgl" / "__init__.py").write_text("")
+    if solutions:
+        (tmp_path / "solutions").mkdir()
+    code, out = cli(tmp_path, capsys, "check")
+    assert code == 0 and "check: OK (0 notebooks, 0 modules)" in out and "note" in out
+
+
+def _nb_edit(rel: str, fn):
+    def mutate(root: Path):
+        nb = load(root / rel)
+        fn(nb)
+        save(root / rel, nb)
+    return mutate
+
+
+def _set(cell_attr: str, value):
+    return lambda nb: nb.cells[0].__setitem__(cell_attr, value)
+
+
+def _append(rel: str, text: str):
+    return lambda root: (root / rel).write_text((root / rel).read_text() + text)
+
+
+def _solution_text(nb):
+    nb.cells[2].source = nb.cells[2].source.replace(
+        '    raise NotImplementedError("Exercise 1.1: return the sum of a and b")\n',
+        "    total = a + b\n    return total\n")
+
+
+CHECK_FAILURES = {
+    "drift-minisgl": (_append("minisgl/ops.py", "# mine\n"),
+                      "minisgl/ops.py: differs from what solutions/ generates"),
+    "drift-notebook": (edit_learner_nb, "notebooks/01_ops.ipynb: differs"),
+    "missing-file": (lambda r: (r / "minisgl/layers/norm.py").unlink(),
+                     "minisgl/layers/norm.py: missing; run `python tools/workbook.py build`"),
+    "outputs": (_nb_edit("solutions/01_ops.ipynb",
+                         _set("outputs", [new_output("stream", text="x")])),
+                "solutions/01_ops.ipynb: cells 0 hold outputs"),
+    "execution-count": (_nb_edit("notebooks/01_ops.ipynb", _set("execution_count", 3)),
+                        "notebooks/01_ops.ipynb: cells 0 have execution counts"),
+    "solution-text": (_nb_edit("notebooks/01_ops.ipynb", _solution_text),
+                      "notebooks/01_ops.ipynb cell 2: contains the solution of exercise 1.1"),
+    "solution-marker": (lambda r: edit_learner_nb(r, "    # END SOLUTION\n"),
+                        "notebooks/01_ops.ipynb cell 2: contains a solution marker"),
+    "skip-tag": (_nb_edit("notebooks/01_ops.ipynb", lambda nb: nb.cells[2].metadata.pop("tags")),
+                 "notebooks/01_ops.ipynb cell 2: %%writefile cell lacks the `skip-execution` tag"),
+    "written-by-none": (lambda r: (r / "minisgl/extra.py").write_text(""),
+                        "minisgl/extra.py: written by no notebook"),
+    "extra-notebook": (lambda r: shutil.copy(r / "notebooks/01_ops.ipynb", r / "notebooks/x.ipynb"),
+                       "notebooks/x.ipynb: not generated from solutions/"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CHECK_FAILURES))
+def test_check_reports_each_failure_without_modifying(built: Path, capsys, kind: str):
+    mutate, expected = CHECK_FAILURES[kind]
+    mutate(built)
+    before = snapshot(built)
+    code, out = cli(built, capsys, "check")
+    assert code == 1 and expected in out, out
+    assert snapshot(built) == before
+
+
+def test_check_drift_mentions_learner_work(built: Path, capsys):
+    _append("minisgl/ops.py", "# mine\n")(built)
+    assert "README 'Your work'" in cli(built, capsys, "check")[1]
+
+
+def wf(*lines: str) -> str:
+    """A `%%writefile ../minisgl/ops.py` cell with the given lines."""
+    return "%%writefile ../minisgl/ops.py\n" + "".join(f"{line}\n" for line in lines)
+
+
+BEGIN, END = "    # BEGIN SOLUTION 1.1: t", "    # END SOLUTION"
+SOLUTION_FAILURES = {
+    "missing-test-cell": (["## Ops", OPS], False,
+                          'no test cell; add a code cell calling `run_chapter_tests("01")`'),
+    "append-flag": (["%%writefile -a ../minisgl/ops.py\nx = 1\n"], True, "-a` (append)"),
+    "outside-minisgl": (["%%writefile ../other/x.py\nx = 1\n"], True, "under ../minisgl/"),
+    "not-py": (["%%writefile ../minisgl/x.txt\nx = 1\n"], True, "must be a .py file"),
+    "same-file-twice": ([OPS, OPS.replace("1.1", "1.3").replace("1.2", "1.4")], True,
+                        "cell 2: minisgl/ops.py is already written by cell 1"),
+    "begin-without-end": ([wf("def f():", BEGIN, "    return 1")], True,
+                          "cell 1 line 3: BEGIN SOLUTION 1.1 has no END SOLUTION"),
+    "nested-begin": ([wf("def f():", BEGIN, "    # BEGIN SOLUTION 1.2: u", END)], True,
+                     "cell 1 line 4: nested BEGIN SOLUTION inside exercise 1.1"),
+    "end-without-begin": ([wf("def f():", "    return 1", END)], True,
+                          "cell 1 line 4: END SOLUTION without BEGIN SOLUTION"),
+    "column-0": ([wf("# BEGIN SOLUTION 1.1: t", "x = 1", "# END SOLUTION")], True,
+                 "cell 1 line 2: BEGIN SOLUTION at column 0"),
+    "missing-id": ([wf("def f():", "    # BEGIN SOLUTION: t", END)], True,
+                   "cell 1 line 3: missing exercise id or task"),
+    "missing-task": ([wf("def f():", "    # BEGIN SOLUTION 1.1:", END)], True,
+                     "cell 1 line 3: missing exercise id or task"),
+    "duplicate-id": ([OPS, OPS.replace("ops.py", "ops2.py").replace("1.2", "1.5")], True,
+                     "duplicate exercise id 1.1"),
+    "duplicate-id-in-cell": ([wf("def f():", BEGIN, END, "def g():", BEGIN, END)], True,
+                             "cell 1 line 6: duplicate exercise id 1.1"),
+    "wrong-chapter": ([OPS.replace("1.2", "4.2")], True,
+                      "cell 1 line 17: exercise 4.2 in chapter 01"),
+    "marker-outside-writefile": (["def f():\n" + BEGIN + "\n" + END], True,
+                                 "cell 1: solution markers are allowed only in %%writefile"),
+    "marker-not-own-line": ([wf("x = 1  # END SOLUTION")], True,
+                            "cell 1 line 2: a marker must be a comment line of its own"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SOLUTION_FAILURES))
+def test_check_reports_solution_problems(tmp_path: Path, capsys, kind: str):
+    cells, test, expected = SOLUTION_FAILURES[kind]
+    save(tmp_path / "solutions" / "01_ops.ipynb", make_nb("01", *cells, test=test))
+    code, out = cli(tmp_path, capsys, "check")
+    assert code == 1 and expected in out, out
+    if kind != "missing-test-cell":  # grammar errors stop build before it writes anything
+        assert "solutions/01_ops.ipynb cell" in out
+        assert cli(tmp_path, capsys, "build")[0] == 1
+        assert not (tmp_path / "minisgl").exists() and not (tmp_path / "notebooks").exists()
+
+
+def test_check_reports_module_written_by_two_notebooks(built: Path, capsys):
+    save(built / "solutions" / "02_more.ipynb", make_nb("02", NORM))
+    code, out = cli(built, capsys, "check")
+    assert code == 1
+    assert ("minisgl/layers/norm.py: written by solutions/01_ops.ipynb and "
+            "solutions/02_more.ipynb") in out
+
+
+# ----------------------------------------------------------------------------- reset
+
+
+def test_reset_backs_up_and_restores_modules(built: Path, capsys):
+    (built / ".gitignore").write_text("*.pyc")
+    ops = built / "minisgl" / "ops.py"
+    mine = b"# my own ops\n\x00\xff"
+    ops.write_bytes(mine)
+    learner_nb = edit_learner_nb(built).read_bytes()
+    code, out = cli(built, capsys, "reset", "1")
+    assert code == 0
+    [backup] = list((built / wb.BACKUP_DIR).glob("*/minisgl/ops.py"))
+    assert f"saved your minisgl/ops.py to {backup.relative_to(built).as_posix()}" in out
+    assert backup.read_bytes() == mine
+    assert ops.read_text() == OPS.split("\n", 1)[1]
+    assert (built / "notebooks" / "01_ops.ipynb").read_bytes() == learner_nb  # untouched
+    assert (built / ".gitignore").read_text() == "*.pyc\n.workbook-backup/\n"
+
+
+def test_reset_notebook_backs_up_and_restores_it(built: Path, capsys):
+    mine = edit_learner_nb(built).read_bytes()
+    code, out = cli(built, capsys, "reset", "01", "--notebook")
+    assert code == 0 and "saved your notebooks/01_ops.ipynb to .workbook-backup/" in out
+    [backup] = list((built / wb.BACKUP_DIR).glob("*/notebooks/01_ops.ipynb"))
+    assert backup.read_bytes() == mine
+    assert cli(built, capsys, "status")[0] == 0
+    assert cli(built, capsys, "check")[0] == 0
+
+
+def test_reset_unknown_chapter(built: Path, capsys):
+    code, out = cli(built, capsys, "reset", "07")
+    assert code == 2 and "unknown chapter '07'; chapters that exist: 00, 01" in out
+
+
+# ----------------------------------------------------------------------------- status
+
+
+def test_status_clean(built: Path, capsys):
+    (built / "notebooks" / "_scratch.ipynb").write_text("{}")  # scratch notebooks are ignored
+    assert cli(built, capsys, "status") == (0, "status: clean\n")
+
+
+@pytest.mark.parametrize("rel", ["minisgl/ops.py", "notebooks/01_ops.ipynb", "minisgl/mine.py"])
+def test_status_reports_learner_work(built: Path, capsys, rel: str):
+    path = built / rel
+    path.write_text((path.read_text() if path.exists() else "") + "\n")
+    code, out = cli(built, capsys, "status")
+    assert code == 1 and f"  {rel}\n" in out and "git stash -u" in out and "reset NN" in out
+
+
+# ----------------------------------------------------------------------------- nbtools
+
+
+def test_guard_backs_up_from_solutions(built: Path, capsys, monkeypatch):
+    ops = built / "minisgl" / "ops.py"
+    ops.write_text("# mine\n")
+    shutil.rmtree(built / "minisgl" / "layers")
+    monkeypatch.chdir(built / "solutions")
+    nbtools.guard("01", root=built)
+    out = capsys.readouterr().out
+    assert ("guard: your version of minisgl/ops.py differs from the reference; saved a copy to "
+            ".workbook-backup/") in out
+    [backup] = list((built / wb.BACKUP_DIR).glob("*/minisgl/ops.py"))
+    assert backup.read_text() == "# mine\n"
+    assert (built / "minisgl" / "layers").is_dir()
+    ops.write_text(OPS.split("\n", 1)[1])  # what the %%writefile cell then writes
+    nbtools.guard("01", root=built)  # a module equal to the reference is not backed up
+    assert "guard:" not in capsys.readouterr().out
+
+
+def test_guard_from_notebooks_is_harmless(built: Path, capsys, monkeypatch):
+    ops = built / "minisgl" / "ops.py"
+    ops.write_text("# mine\n")
+    (built / "solutions" / "01_ops.ipynb").unlink()
+    shutil.rmtree(built / "minisgl" / "layers")
+    monkeypatch.chdir(built / "notebooks")
+    nbtools.guard("01", root=built)
+    assert "git diff minisgl/" in capsys.readouterr().out
+    assert ops.read_text() == "# mine\n" and not (built / wb.BACKUP_DIR).exists()
+    assert (built / "minisgl" / "layers").is_dir()
+    monkeypatch.chdir(built / "solutions")
+    nbtools.guard("05", root=built)  # no notebook at all: a note, no exception
+    assert "nothing to check" in capsys.readouterr().out
+
+
+def test_reload_minisgl_forgets_only_minisgl_modules(monkeypatch):
+    saved = {k: v for k, v in sys.modules.items() if k == "minisgl" or k.startswith("minisgl.")}
+    try:
+        monkeypatch.setitem(sys.modules, "minisgl", object())
+        monkeypatch.setitem(sys.modules, "minisgl.ops", object())
+        monkeypatch.setitem(sys.modules, "minisglx", object())
+        assert nbtools.reload_minisgl() is None
+        assert "minisgl" not in sys.modules and "minisgl.ops" not in sys.modules
+        assert "minisglx" in sys.modules
+    finally:
+        sys.modules.update(saved)
+
+
+def test_run_chapter_tests(tmp_path: Path, capsys):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_ch03_ok.py").write_text("def test_ok():\n    assert True\n")
+    (tmp_path / "tests" / "test_ch04_bad.py").write_text(
+        "def test_bad():\n    raise NotImplementedError('Exercise 4.1: do it')\n")
+    nbtools.run_chapter_tests("03", "-p", "no:cacheprovider", root=tmp_path)
+    assert "chapter 03: all tests passed" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="chapter 04's tests failed"):
+        nbtools.run_chapter_tests("4", "-p", "no:cacheprovider", root=tmp_path)
+    assert "Exercise 4.1: do it" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match=r"tests/test_ch05_\*\.py"):
+        nbtools.run_chapter_tests("05", root=tmp_path)
+
+
+def test_cli_script_runs(built: Path):
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "workbook.py"), "--root",
+                           str(built), "check"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check: OK" in proc.stdout

@@ -1,0 +1,605 @@
+"""Workbook toolchain: solutions/ is the single source of truth for minisgl/ and notebooks/.
+
+    python tools/workbook.py build        strip solutions/, regenerate minisgl/ and notebooks/
+    python tools/workbook.py check        verify the tree (CI); changes nothing
+    python tools/workbook.py status       exit 1 if minisgl/ or notebooks/ hold your own work
+    python tools/workbook.py reset NN [--notebook]
+                                          restore chapter NN's reference files (backs up yours)
+
+The chapter notebooks `solutions/NN_slug.ipynb` write the package with
+`%%writefile ../minisgl/<path>.py` cells. Exercise regions inside function bodies look like
+
+        # BEGIN SOLUTION 4.2: write k and v into the pool
+        ...solution lines...
+        # END SOLUTION
+
+and become `raise NotImplementedError("Exercise 4.2: write k and v into the pool")` in the learner
+copy `notebooks/NN_slug.ipynb`. `tools/workbook-manifest.json` records the sha256 of every file
+`build` generated, so that `build` never overwrites a learner's own work.
+
+This module must import quickly (tools/nbtools.py uses it from notebooks): nbformat and nbstripout
+are imported only inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import posixpath
+import re
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = "tools/workbook-manifest.json"
+BACKUP_DIR = ".workbook-backup"
+SKIP_TAG = "skip-execution"
+NB_NAME = re.compile(r"^(\d\d)_.+\.ipynb$")
+MARKER = re.compile(r"^([ \t]*)#[ \t]*(BEGIN|END) SOLUTION\b(.*)$")
+HEADER = re.compile(r"^\s+(\d+)\.(\d+)\s*:\s*(\S.*?)\s*$")
+# nbstripout's default metadata keys (what `nbstripout` on the command line drops)
+STRIP_KEYS = [
+    "metadata.signature", "metadata.widgets", "cell.metadata.collapsed",
+    "cell.metadata.ExecuteTime", "cell.metadata.execution", "cell.metadata.heading_collapsed",
+    "cell.metadata.hidden", "cell.metadata.scrolled",
+]
+STASH_HELP = (
+    "`git stash -u` (get it back with `git stash pop`), or commit it to a branch "
+    "(`git switch -c my-work && git commit -am 'my work'`, then `git switch main`), "
+    "or `python tools/workbook.py reset NN` (backs your files up first)"
+)
+
+
+class WorkbookError(Exception):
+    """A user-facing error: the CLI prints it and exits with code 2."""
+
+
+@dataclass
+class Chapter:
+    """What one solutions/NN_slug.ipynb generates."""
+
+    nn: str
+    name: str
+    modules: dict[str, str] = field(default_factory=dict)  # "minisgl/x.py" -> content
+    bodies: dict[str, str] = field(default_factory=dict)  # exercise id -> solution text
+    learner: dict = field(default_factory=dict)  # the learner notebook (plain dict)
+    has_test_cell: bool = False
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    """Everything `build` would write, keyed by path relative to the root."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    origin: dict[str, str] = field(default_factory=dict)  # path -> chapter NN
+    chapters: dict[str, Chapter] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def cell_source(cell: dict) -> str:
+    """A cell's source as one string (on disk it may be a list of lines)."""
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def chapter_id(chapter: str | int) -> str:
+    """Normalise "4", 4 or "04" to "04"."""
+    text = str(chapter).strip()
+    if not text.isdigit():
+        raise WorkbookError(f"chapter must be a number like 04, not {chapter!r}")
+    return f"{int(text):02d}"
+
+
+def parse_writefile(source: str) -> tuple[str, str, list[str]] | None:
+    """Split a `%%writefile` cell into (target, body, errors); None for any other cell.
+
+    target is relative to the repository root ("minisgl/x/y.py"); "" when invalid.
+    """
+    first, _, body = source.partition("\n")
+    if not first.startswith("%%writefile"):
+        return None
+    errors, target = [], ""
+    try:
+        args = shlex.split(first[len("%%writefile"):])
+    except ValueError as exc:
+        return "", body, [f"cannot parse `{first}`: {exc}"]
+    if any(a in ("-a", "--append") for a in args):
+        errors.append("`%%writefile -a` (append) is not allowed: write each file from one cell")
+    paths = [a for a in args if not a.startswith("-")]
+    if len(paths) != 1:
+        errors.append(f"`{first.strip()}` must name exactly one file")
+    else:
+        norm = posixpath.normpath(paths[0])
+        if paths[0].startswith("../minisgl/") and norm.startswith("../minisgl/") and (
+            norm.endswith(".py")
+        ):
+            target = norm[3:]
+        else:
+            errors.append(f"`{paths[0]}`: the target must be a .py file under ../minisgl/")
+    return target, body, errors
+
+
+def written_content(body: str) -> str:
+    """What `%%writefile` writes for a cell body (IPython ends a non-empty cell with a newline)."""
+    return body if not body or body.endswith("\n") else body + "\n"
+
+
+def stub(body: str, nn: str, where: str) -> tuple[str, dict[str, str], list[str]]:
+    """Replace each exercise region of a `%%writefile` body by a NotImplementedError stub.
+
+    Returns (stubbed body, {exercise id: solution text}, errors). Line numbers in errors count
+    the `%%writefile` line as line 1.
+    """
+    out, bodies, errors = [], {}, []
+    region = None  # [exercise id, task, indent, line number, solution lines]
+    for no, line in enumerate(body.splitlines(keepends=True), start=2):
+        at = f"{where} line {no}"
+        m = MARKER.match(line.rstrip("\r\n"))
+        if not m:
+            if "BEGIN SOLUTION" in line or "END SOLUTION" in line:
+                errors.append(f"{at}: a marker must be a comment line of its own")
+            (region[4] if region else out).append(line)
+            continue
+        indent, kind, rest = m.groups()
+        if kind == "END":
+            if region is None:
+                errors.append(f"{at}: END SOLUTION without BEGIN SOLUTION")
+                continue
+            eid, task, ind, _, lines = region
+            msg = json.dumps(f"Exercise {eid}: {task}", ensure_ascii=False)
+            newline = "\n" if line.endswith("\n") else ""
+            out.append(f"{ind}raise NotImplementedError({msg}){newline}")
+            bodies[eid] = "".join(lines)
+            region = None
+            continue
+        if region is not None:
+            errors.append(f"{at}: nested BEGIN SOLUTION inside exercise {region[0]} "
+                          f"(line {region[3]}); close it with END SOLUTION first")
+            continue
+        head = HEADER.match(rest)
+        if not indent:
+            errors.append(f"{at}: BEGIN SOLUTION at column 0; put regions inside a function body")
+        if not head:
+            errors.append(f"{at}: missing exercise id or task; write `# BEGIN SOLUTION N.M: task`")
+            eid, task = "?", ""
+        else:
+            eid, task = f"{head[1]}.{head[2]}", head[3]
+            if int(head[1]) != int(nn):
+                errors.append(f"{at}: exercise {eid} in chapter {nn}; number it {int(nn)}.M")
+            if eid in bodies:
+                errors.append(f"{at}: duplicate exercise id {eid}")
+        region = [eid, task, indent, no, []]
+    if region is not None:
+        errors.append(f"{where} line {region[3]}: BEGIN SOLUTION {region[0]} has no END SOLUTION")
+    return "".join(out), bodies, errors
+
+
+def parse_chapter(nn: str, name: str, nb: dict) -> Chapter:
+    """Parse a solution notebook (any dict in nbformat 4 shape) into what it generates."""
+    chap = Chapter(nn, name, learner=json.loads(json.dumps(nb)))
+    test_call = re.compile(r"run_chapter_tests\(\s*[\"']" + nn + r"[\"']")
+    writer: dict[str, int] = {}
+    for i, cell in enumerate(chap.learner.get("cells", [])):
+        src, where = cell_source(cell), f"solutions/{name} cell {i}"
+        parsed = parse_writefile(src) if cell.get("cell_type") == "code" else None
+        if parsed is None:
+            if "BEGIN SOLUTION" in src or "END SOLUTION" in src:
+                chap.problems.append(f"{where}: solution markers are allowed only in %%writefile "
+                                     "cells")
+            chap.has_test_cell |= cell.get("cell_type") == "code" and bool(test_call.search(src))
+            continue
+        target, body, errors = parsed
+        stubbed, bodies, stub_errors = stub(body, nn, where)
+        chap.problems += [f"{where}: {e}" for e in errors] + stub_errors
+        for eid, text in bodies.items():
+            if eid in chap.bodies:
+                chap.problems.append(f"{where}: duplicate exercise id {eid} in chapter {nn}")
+            chap.bodies[eid] = text
+        if target in writer:
+            chap.problems.append(f"{where}: {target} is already written by cell {writer[target]}")
+        elif target:
+            writer[target] = i
+            chap.modules[target] = written_content(body)
+        first, sep, _ = src.partition("\n")
+        cell["source"] = first + sep + stubbed
+        tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+        if SKIP_TAG not in tags:
+            tags.append(SKIP_TAG)
+    return chap
+
+
+def read_json(path: Path) -> dict:
+    """Read a notebook as a plain dict (fast; no validation)."""
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def solution_notebooks(root: Path) -> tuple[dict[str, Path], list[str]]:
+    """Map chapter NN -> solutions/NN_slug.ipynb; names starting with '_' are ignored."""
+    found, problems = {}, []
+    for path in sorted((root / "solutions").glob("*.ipynb")):
+        m = NB_NAME.match(path.name)
+        if path.name.startswith("_"):
+            continue
+        if not m:
+            problems.append(f"solutions/{path.name}: name it NN_slug.ipynb (or start it with '_')")
+        elif m[1] in found:
+            problems.append(f"solutions/{path.name}: chapter {m[1]} already is {found[m[1]].name}")
+        else:
+            found[m[1]] = path
+    return found, problems
+
+
+# ----------------------------------------------------------------------------- notebooks I/O
+
+
+def load_stripped(path: Path):
+    """Read a notebook with nbformat and strip outputs, counts and volatile metadata (in memory).
+
+    Cells without an id get a deterministic one so that learner copies keep stable ids.
+    """
+    import nbformat
+    from nbstripout import strip_output
+
+    nb = nbformat.read(path, as_version=4)
+    nb.nbformat_minor = max(nb.nbformat_minor, 5)
+    for i, cell in enumerate(nb.cells):
+        cell.setdefault("id", f"cell-{i}")
+    return strip_output(nb, keep_output=False, keep_count=False, keep_id=True,
+                        extra_keys=STRIP_KEYS)
+
+
+def nb_bytes(nb: dict) -> bytes:
+    """Serialise a notebook exactly as `build` writes it (nbformat v4, trailing newline)."""
+    import nbformat
+
+    text = nbformat.writes(nbformat.from_dict(nb), version=4)
+    return (text if text.endswith("\n") else text + "\n").encode("utf-8")
+
+
+def generate(root: Path) -> Generation:
+    """Compute every generated file from solutions/ without writing anything."""
+    sols, problems = solution_notebooks(root)
+    gen = Generation(problems=problems)
+    for nn, path in sols.items():
+        try:
+            nb = load_stripped(path)
+        except Exception as exc:  # noqa: BLE001 - any unreadable notebook is a reportable problem
+            gen.problems.append(f"solutions/{path.name}: cannot read notebook: {exc}")
+            continue
+        chap = gen.chapters[nn] = parse_chapter(nn, path.name, nb)
+        gen.problems += chap.problems
+        for rel, content in chap.modules.items():
+            if rel in gen.origin:
+                other = gen.chapters[gen.origin[rel]].name
+                gen.problems.append(f"{rel}: written by solutions/{other} and solutions/"
+                                    f"{path.name}; write each module from exactly one notebook")
+                continue
+            gen.files[rel], gen.origin[rel] = content.encode("utf-8"), nn
+        rel = f"notebooks/{path.name}"
+        gen.files[rel], gen.origin[rel] = nb_bytes(chap.learner), nn
+    return gen
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def sha256(data: bytes) -> str:
+    """Hex sha256 of some bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def load_manifest(root: Path) -> dict[str, str]:
+    """The manifest: generated path -> sha256 of what `build` last wrote."""
+    path = root / MANIFEST
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def save_manifest(root: Path, manifest: dict[str, str]) -> None:
+    """Write the manifest (sorted, stable) if it changed."""
+    path = root / MANIFEST
+    text = json.dumps(dict(sorted(manifest.items())), indent=2) + "\n"
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+
+
+def read_bytes(path: Path) -> bytes | None:
+    """File content, or None when missing."""
+    return path.read_bytes() if path.is_file() else None
+
+
+def extra_files(root: Path, gen: Generation) -> list[str]:
+    """Files under minisgl/ (*.py) and notebooks/ (*.ipynb) that no solution notebook generates.
+
+    Hidden folders, __pycache__ and notebooks whose name starts with '_' are ignored.
+    """
+    found = [p.relative_to(root).as_posix() for p in (root / "minisgl").rglob("*.py")
+             if not any(d.startswith(".") or d == "__pycache__" for d in p.relative_to(root).parts)]
+    found += [f"notebooks/{p.name}" for p in (root / "notebooks").glob("*.ipynb")
+              if not p.name.startswith("_")]
+    return sorted(set(found) - set(gen.files))
+
+
+def ensure_gitignore(root: Path) -> None:
+    """Make sure .gitignore ignores the backup folder (appends; never clobbers)."""
+    path = root / ".gitignore"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    lines = {line.strip().strip("/") for line in text.splitlines()}
+    if BACKUP_DIR in lines:
+        return
+    sep = "" if not text or text.endswith("\n") else "\n"
+    path.write_text(f"{text}{sep}{BACKUP_DIR}/\n", encoding="utf-8")
+
+
+def backup(root: Path, rels: list[str]) -> Path:
+    """Copy files (paths relative to root) into a new .workbook-backup/<timestamp>/ folder."""
+    ensure_gitignore(root)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = root / BACKUP_DIR / stamp, 0
+    while dest.exists():
+        n += 1
+        dest = root / BACKUP_DIR / f"{stamp}-{n}"
+    for rel in rels:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / rel, dest / rel)
+    return dest
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write bytes, creating parent folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def strip_solutions(root: Path) -> list[str]:
+    """Strip outputs from solutions/*.ipynb in place; return the paths that changed."""
+    changed = []
+    for path in solution_notebooks(root)[0].values():
+        try:
+            data = nb_bytes(load_stripped(path))
+        except Exception:  # noqa: BLE001, S112 - `generate` reports unreadable notebooks
+            continue
+        if data != path.read_bytes():
+            path.write_bytes(data)
+            changed.append(f"solutions/{path.name}")
+    return changed
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def keep_or_discard(rel: str, nn: str) -> str:
+    """Advice for a file of chapter NN that holds the learner's work."""
+    keep = ("keep it: commit it on a branch (`git switch -c my-work && git commit -am 'my work'`)"
+            " or `git stash -u`")
+    if rel.startswith("notebooks/"):
+        how = f"move it away, or `python tools/workbook.py reset {nn} --notebook`"
+    else:
+        how = f"`python tools/workbook.py reset {nn}` (backs up, then restores its modules)"
+    return f"  {rel}\n      {keep}\n      discard it: {how}"
+
+
+def build(root: Path = ROOT) -> int:
+    """Strip solutions/, regenerate minisgl/ and notebooks/ without overwriting learner work."""
+    for rel in strip_solutions(root):
+        print(f"build: stripped outputs from {rel}")
+    gen = generate(root)
+    if gen.problems:
+        print("\n".join(gen.problems), file=sys.stderr)
+        print(f"build: {len(gen.problems)} problem(s) in solutions/; nothing generated",
+              file=sys.stderr)
+        return 1
+    manifest = load_manifest(root)
+    written = unchanged = removed = 0
+    blocked = []
+    for rel, data in sorted(gen.files.items()):
+        current = read_bytes(root / rel)
+        if current == data:
+            unchanged += 1
+        elif current is not None and sha256(current) != manifest.get(rel):
+            blocked.append(rel)
+            continue
+        else:
+            write_file(root / rel, data)
+            written += 1
+        manifest[rel] = sha256(data)
+    for rel in sorted(set(manifest) - set(gen.files)):
+        current = read_bytes(root / rel)
+        if current is not None and sha256(current) == manifest[rel]:
+            (root / rel).unlink()
+            removed += 1
+        elif current is not None:
+            print(f"build: {rel} is no longer generated but holds your changes; left it in place")
+        del manifest[rel]
+    save_manifest(root, manifest)
+    print(f"build: {written} files written, {unchanged} unchanged" +
+          (f", {removed} removed" if removed else ""))
+    if blocked:
+        print(f"build: left {len(blocked)} file(s) alone: they hold your own work (they differ "
+              "from what build generated last time and from what it generates now):")
+        print("\n".join(keep_or_discard(rel, gen.origin[rel]) for rel in blocked))
+        return 1
+    return 0
+
+
+def notebook_problems(root: Path, gen: Generation) -> list[str]:
+    """Outputs / counts in committed notebooks; solution text or missing tags in learner copies."""
+    problems = []
+    for folder in ("solutions", "notebooks"):
+        for path in sorted((root / folder).glob("*.ipynb")):
+            if path.name.startswith("_"):
+                continue
+            rel = f"{folder}/{path.name}"
+            try:
+                cells = read_json(path).get("cells", [])
+            except ValueError as exc:
+                problems.append(f"{rel}: not valid JSON ({exc})")
+                continue
+            outs = [str(i) for i, c in enumerate(cells) if c.get("outputs")]
+            counts = [str(i) for i, c in enumerate(cells) if c.get("execution_count") is not None]
+            if outs:
+                problems.append(f"{rel}: cells {', '.join(outs)} hold outputs; run "
+                                "`python tools/workbook.py build` (it strips them)")
+            if counts:
+                problems.append(f"{rel}: cells {', '.join(counts)} have execution counts; run "
+                                "`python tools/workbook.py build` (it strips them)")
+            if folder == "notebooks":
+                chap = next((c for c in gen.chapters.values() if c.name == path.name), None)
+                problems += learner_problems(rel, cells, chap.bodies if chap else {})
+    return problems
+
+
+def learner_problems(rel: str, cells: list[dict], bodies: dict[str, str]) -> list[str]:
+    """Solution text and missing `skip-execution` tags in one learner notebook's cells."""
+    problems = []
+    for i, cell in enumerate(cells):
+        src, where = cell_source(cell), f"{rel} cell {i}"
+        if "BEGIN SOLUTION" in src or "END SOLUTION" in src:
+            problems.append(f"{where}: contains a solution marker; run `python tools/workbook.py "
+                            "build` (if this is your own work, see README 'Your work')")
+        for eid, body in bodies.items():
+            if body.strip() and body in src:
+                problems.append(f"{where}: contains the solution of exercise {eid} verbatim; "
+                                "regenerate it with `python tools/workbook.py build`")
+        tags = cell.get("metadata", {}).get("tags", [])
+        is_writefile = cell.get("cell_type") == "code" and src.startswith("%%writefile")
+        if is_writefile and SKIP_TAG not in tags:
+            problems.append(f"{where}: %%writefile cell lacks the `{SKIP_TAG}` tag; run "
+                            "`python tools/workbook.py build`")
+    return problems
+
+
+def check(root: Path = ROOT) -> int:
+    """Report every problem in the tree (one per line); exit status 1 if any. Changes nothing."""
+    gen = generate(root)
+    problems, notes = list(gen.problems), []
+    for nn, chap in sorted(gen.chapters.items()):
+        if not chap.has_test_cell:
+            problems.append(f"solutions/{chap.name}: no test cell; add a code cell calling "
+                            f'`run_chapter_tests("{nn}")`')
+    for rel, data in sorted(gen.files.items()):
+        current = read_bytes(root / rel)
+        if current is None:
+            problems.append(f"{rel}: missing; run `python tools/workbook.py build`")
+        elif current != data:
+            problems.append(f"{rel}: differs from what solutions/ generates; run `python "
+                            "tools/workbook.py build` (if this is your own work, see README "
+                            "'Your work')")
+    for rel in extra_files(root, gen):
+        if rel.startswith("notebooks/"):
+            problems.append(f"{rel}: not generated from solutions/; delete it, or start its name "
+                            "with '_' for a scratch notebook")
+        elif gen.chapters:
+            problems.append(f"{rel}: written by no notebook; add a %%writefile cell for it in "
+                            "solutions/ or delete it")
+    if not gen.chapters:
+        notes.append("check: note: no chapter notebooks in solutions/; skipped the "
+                     "'written by no notebook' rule for minisgl/")
+    problems += notebook_problems(root, gen)
+    if load_manifest(root) != {rel: sha256(data) for rel, data in gen.files.items()}:
+        problems.append(f"{MANIFEST}: out of date; run `python tools/workbook.py build`")
+    for line in notes + problems:
+        print(line)
+    if problems:
+        print(f"check: {len(problems)} problem(s)")
+        return 1
+    modules = sum(rel.startswith("minisgl/") for rel in gen.files)
+    print(f"check: OK ({len(gen.chapters)} notebooks, {modules} modules)")
+    return 0
+
+
+def status(root: Path = ROOT) -> int:
+    """Exit 1 (with advice) when minisgl/ or notebooks/ differ from what `build` generates."""
+    gen = generate(root)
+    manifest = load_manifest(root)
+    work, outdated = [], []
+    for rel, data in sorted(gen.files.items()):
+        current = read_bytes(root / rel)
+        if current is None or (current != data and sha256(current) == manifest.get(rel)):
+            outdated.append(rel)
+        elif current != data:
+            work.append(rel)
+    work += [rel for rel in extra_files(root, gen)
+             if gen.chapters or rel.startswith("notebooks/")]
+    if work:
+        chapters = sorted({gen.origin[rel] for rel in work if rel in gen.origin})
+        print("status: these files hold your own work (they differ from what "
+              "`python tools/workbook.py build` generates from solutions/):")
+        print("\n".join(f"  {rel}" for rel in work))
+        print(f"To proceed: {STASH_HELP}"
+              + (f"; your chapters: {', '.join(chapters)}" if chapters else "") + ".")
+    if outdated:
+        print("status: out of date (missing, or generated from an older solutions/): "
+              f"{', '.join(outdated)}; run `python tools/workbook.py build`")
+    if work or outdated:
+        return 1
+    print("status: clean")
+    return 0
+
+
+def reset(root: Path, chapter: str, notebook: bool = False) -> int:
+    """Restore chapter NN's reference modules (and with notebook=True its learner notebook).
+
+    Every file that differs from the reference is first copied to .workbook-backup/<timestamp>/.
+    """
+    nn = chapter_id(chapter)
+    gen = generate(root)
+    chap = gen.chapters.get(nn)
+    if chap is None:
+        have = ", ".join(sorted(gen.chapters)) or "none (solutions/ has no NN_slug.ipynb)"
+        raise WorkbookError(f"unknown chapter {chapter!r}; chapters that exist: {have}")
+    if chap.problems:
+        raise WorkbookError("fix solutions/ first:\n" + "\n".join(chap.problems))
+    rels = sorted(rel for rel, o in gen.origin.items()
+                  if o == nn and (notebook or rel.startswith("minisgl/")))
+    differing = [rel for rel in rels if read_bytes(root / rel) not in (None, gen.files[rel])]
+    if differing:
+        dest = backup(root, differing)
+        for rel in differing:
+            print(f"reset: saved your {rel} to {(dest / rel).relative_to(root).as_posix()}")
+    manifest = load_manifest(root)
+    for rel in rels:
+        write_file(root / rel, gen.files[rel])
+        manifest[rel] = sha256(gen.files[rel])
+    save_manifest(root, manifest)
+    what = "modules and notebook" if notebook else "modules"
+    print(f"reset: restored chapter {nn}'s reference {what} ({len(rels)} files, "
+          f"{len(differing)} backed up)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="python tools/workbook.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: "
+                        "the checkout holding this file)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("build", help="strip solutions/, regenerate minisgl/ and notebooks/")
+    sub.add_parser("check", help="verify the tree; exit 1 listing every problem")
+    sub.add_parser("status", help="exit 1 if minisgl/ or notebooks/ hold your own work")
+    p = sub.add_parser("reset", help="restore chapter NN's reference modules (backs yours up)")
+    p.add_argument("chapter", help="chapter number, e.g. 04")
+    p.add_argument("--notebook", action="store_true", help="also restore notebooks/NN_*.ipynb")
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    try:
+        if args.command == "reset":
+            return reset(root, args.chapter, args.notebook)
+        return {"build": build, "check": check, "status": status}[args.command](root)
+    except WorkbookError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
