@@ -124,8 +124,24 @@ class Req:
         # END SOLUTION
 
     def append_host(self, next_token: torch.Tensor) -> None:
-        """Append the sampled token (a 1-element CPU tensor) to ``input_ids`` (host only)."""
-        self.input_ids = torch.cat([self.input_ids, next_token.to(self.input_ids.dtype)])
+        """Append the sampled token (a 1-element integer tensor) to ``input_ids`` (host only).
+
+        The token fills a position that ``complete_one`` already opened, so ``input_ids`` never
+        holds more than ``device_len`` tokens (it may lag behind while a copy is in flight).
+        """
+        if not isinstance(next_token, torch.Tensor) or next_token.numel() != 1:
+            raise ValueError(f"Req(uid={self.uid}).append_host takes one sampled token as a "
+                             f"1-element tensor, got {next_token!r}.")
+        if next_token.dtype.is_floating_point or next_token.dtype.is_complex:
+            raise ValueError(f"Req(uid={self.uid}).append_host: the token has dtype "
+                             f"{next_token.dtype}; token ids are integers.")
+        if len(self.input_ids) >= self.device_len:
+            raise ValueError(
+                f"Req(uid={self.uid}).append_host: input_ids already holds {len(self.input_ids)} "
+                f"tokens and device_len={self.device_len}, so no position is open for a new "
+                "token; call complete_one() after each forward first (Engine.forward_batch does).")
+        token = next_token.reshape(1).to(device="cpu", dtype=self.input_ids.dtype)
+        self.input_ids = torch.cat([self.input_ids, token])
 
     def __repr__(self) -> str:
         return (f"Req(uid={self.uid}, table_idx={self.table_idx}, cached_len={self.cached_len}, "

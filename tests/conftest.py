@@ -50,3 +50,31 @@ def pytest_runtest_makereport(item, call):
             f"the chapter's tests. The reference is in solutions/."
         )
 
+
+
+# ----------------------------------------------------------------------------- no network
+_LOOPBACK = ("127.", "::1", "localhost")
+
+
+def _guarded_connect(original):
+    def connect(self, address):
+        host = address[0] if isinstance(address, tuple) else address
+        if isinstance(host, str) and (host.startswith(_LOOPBACK) or host.startswith("/")):
+            return original(self, address)
+        if not isinstance(address, tuple):  # unix sockets and the like
+            return original(self, address)
+        raise RuntimeError(f"a test tried to reach the network ({address!r}); the workbook runs "
+                           "offline: weights come from models/ (run `make models`)")
+
+    return connect
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_network():
+    """Fail any test that opens a connection to a non-loopback address (e.g. a hub download)."""
+    import socket
+
+    original = socket.socket.connect
+    socket.socket.connect = _guarded_connect(original)
+    yield
+    socket.socket.connect = original

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 
@@ -24,6 +25,7 @@ def _load_test_module(chapter: str):
         raise FileNotFoundError(f"no tests/test_ch{chapter}_*.py")
     spec = importlib.util.spec_from_file_location(f"_prereq_ch{chapter}", files[0])
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and friends look their module up here
     spec.loader.exec_module(module)
     return module
 

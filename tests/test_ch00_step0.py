@@ -14,7 +14,7 @@ from helpers import SMOL, hf_greedy, hf_model, model_path, tokenizer
 
 from minisgl import step0
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 TEACHER_FORCED = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 PREFILL, TOTAL = 6, 12  # teacher forcing: prefill 6 tokens, then 6 single-token decode steps
 

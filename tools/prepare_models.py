@@ -210,6 +210,10 @@ def tiny_recipe(name: str) -> dict:
 
 
 def prepare_tiny(force: bool) -> None:
+    if not force and all(is_prepared(MODELS / name, tiny_recipe(name)) for name in TINY):
+        for name in TINY:
+            log(f"models/{name}: ready (skipped)")
+        return
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

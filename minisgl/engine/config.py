@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import List
 
@@ -12,6 +13,15 @@ import torch
 from minisgl.distributed import DistributedInfo
 from minisgl.models import ModelConfig
 from minisgl.models.weight import load_hf_config, resolve_model_path
+
+_GiB = 1 << 30
+
+
+def total_memory(device: str) -> int:
+    """Bytes of memory the device has in all (CPU: the machine's RAM)."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,13 @@ class EngineConfig:
     @property
     def max_forward_len(self) -> int:
         return self.max_seq_len
+
+    @property
+    def kv_cache_bytes_per_page(self) -> int:
+        """One page of the KV pool: K and V, every layer, this rank's KV heads, page_size tokens."""
+        mc = self.model_config
+        kv_heads = max(1, mc.num_kv_heads // self.tp_info.size)  # replicated when tp > Hkv
+        return 2 * mc.num_layers * self.page_size * kv_heads * mc.head_dim * self.dtype.itemsize
 
     @property
     def distributed_addr(self) -> str:
@@ -101,3 +118,17 @@ class EngineConfig:
             raise ValueError(f"tensor parallel size {tp} does not divide this model's heads "
                              f"({mc.num_qo_heads} query heads, {mc.num_kv_heads} KV heads); "
                              f"sizes that work: {ok}.")
+        if self.num_page_override is not None:  # a pool that can never fit: fail before loading
+            device = self.device
+            if device == "auto":
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            if device == "cuda":
+                device = f"cuda:{self.tp_info.rank}"
+            need = (self.num_page_override + 1) * self.kv_cache_bytes_per_page  # + dummy page
+            have = total_memory(device)
+            if need > have:
+                raise MemoryError(
+                    f"num_page_override={self.num_page_override} asks for a KV pool of "
+                    f"{need / _GiB:.2f} GiB ({self.kv_cache_bytes_per_page} bytes per page) but "
+                    f"{device} has only {have / _GiB:.2f} GiB in all: use fewer pages (or a "
+                    "smaller page_size).")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -62,10 +61,18 @@ def _resolve_device(name: str, tp_rank: int) -> torch.device:
     return torch.device(name)
 
 
+def _cpu_count() -> int:
+    """CPU cores this process may run on (all cores where the OS cannot tell, e.g. macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _live_engine() -> "Engine | None":
-    # kept on `sys`, outside minisgl, so that reloading minisgl's modules keeps track of it
-    ref = getattr(sys, "_minisgl_live_engine", None)
-    return ref() if ref is not None else None
+    # Kept on `sys`, outside minisgl, so that reloading minisgl's modules keeps track of it. A
+    # strong reference: an Engine that nobody holds any more still owns the global context and
+    # tp info until it is shut down, so it must stay reachable for the next Engine to shut down.
+    return getattr(sys, "_minisgl_live_engine", None)
 
 
 class Engine:
@@ -83,7 +90,7 @@ class Engine:
         except BaseException:
             self._release()
             raise
-        sys._minisgl_live_engine = weakref.ref(self)
+        sys._minisgl_live_engine = self
 
     def _init(self, config: EngineConfig) -> None:
         # BEGIN SOLUTION 6.4: initialise every part, in dependency order
@@ -96,7 +103,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(42)
-        torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        torch.set_num_threads(config.num_threads or _cpu_count())
         self.dtype = config.dtype
         self.ctx = Context(page_size=config.page_size)
         set_global_ctx(self.ctx)
@@ -139,9 +146,7 @@ class Engine:
         return {name: t.to(self.dtype) for name, t in load_weight(config.model_path, self.device)}
 
     def _determine_num_pages(self, free_before_model: int, config: EngineConfig) -> int:
-        mc = config.model_config
-        cache_per_page = (2 * mc.head_dim * self.kv_cache_heads(config) * config.page_size
-                          * self.dtype.itemsize * mc.num_layers)
+        cache_per_page = config.kv_cache_bytes_per_page
         model_bytes = sum(t.numel() * t.element_size()
                           for t in {id(t): t for t in self.model.state_dict().values()}.values())
         if config.num_page_override is not None:
@@ -152,7 +157,7 @@ class Engine:
                     f"num_page_override={num_pages} asks for a KV pool of {need / _GiB:.2f} GiB "
                     f"({cache_per_page} bytes per page) but only "
                     f"{available_memory(self.device) / _GiB:.2f} GiB is available: use fewer "
-                    "pages (or a smaller max_seq_len_override / page_size).")
+                    "pages (or a smaller page_size).")
             return num_pages
         budget = config.memory_ratio * free_before_model - model_bytes
         # never more slots than max_running_req requests of max_seq_len tokens can use
@@ -165,11 +170,6 @@ class Engine:
                 f"{model_bytes / _GiB:.2f} GiB and one page needs {cache_per_page} bytes. Raise "
                 "memory_ratio, or set num_page_override to a number of pages that fits.")
         return num_pages
-
-    @staticmethod
-    def kv_cache_heads(config: EngineConfig) -> int:
-        mc, tp = config.model_config, config.tp_info.size
-        return max(1, mc.num_kv_heads // tp)
 
     # ------------------------------------------------------------------ one step
     def _check_batch(self, batch: Batch) -> None:
@@ -206,6 +206,10 @@ class Engine:
             if r.device_len > width:
                 raise ValueError(f"Req(uid={r.uid}) has {r.device_len} tokens but page-table rows "
                                  f"hold {width}.")
+            if batch.is_decode and r.extend_len != 1:
+                raise ValueError(f"Req(uid={r.uid}) computes {r.extend_len} tokens in a decode "
+                                 "batch: a decode step computes exactly one token per request "
+                                 "(the LM head keeps every row); put it in a prefill batch.")
         total = sum(r.extend_len for r in batch.padded_reqs)
         for name in ("input_ids", "positions", "out_loc"):
             t = getattr(batch, name)
@@ -269,3 +273,5 @@ class Engine:
             self.graph_runner.destroy_cuda_graphs()
         self._release()
         self._closed = True
+        if getattr(sys, "_minisgl_live_engine", None) is self:
+            sys._minisgl_live_engine = None

@@ -24,9 +24,11 @@ from .base import BaseOP, StateDict
 def input_major(w: torch.Tensor) -> torch.Tensor:
     """The same ``[out, in]`` matrix, stored so that each *input* row is contiguous.
 
-    ``F.linear(x, w)`` computes ``x @ w.T``. With few rows in ``x`` (decode), the matrix multiply
-    is faster when ``w.T`` (``[in, out]``) is the contiguous one: we keep the ``[out, in]`` shape
-    the checkpoint and ``state_dict`` use, as a transposed view of ``[in, out]`` storage.
+    ``F.linear(x, w)`` computes ``x @ w.T``. With few rows in ``x`` (decode), some matmul
+    libraries run faster when ``w.T`` (``[in, out]``) is the contiguous one; whether it helps
+    depends on the library, the shapes and the machine (chapter 02 measures it). The shape stays
+    the ``[out, in]`` that the checkpoint and ``state_dict`` use: a transposed view of
+    ``[in, out]`` storage.
     """
     if w.dim() != 2 or w.device.type == "meta" or w.stride(0) == 1:
         return w
@@ -106,9 +108,11 @@ class _RowParallel(_LinearTPImpl):
         self._comm = DistributedCommunicator()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)  # [T, out]: this rank's partial sum
         if self._tp_size > 1:
             y = self._comm.all_reduce(y)
+        if self.bias is not None:  # once, after the sum (per rank, it would count tp times)
+            y = y + self.bias
         return y
 
 

@@ -1,0 +1,47 @@
+# The workbook's commands. Run from the repository root.
+#   make milestone   set everything up (virtualenv, packages, models), then run the milestone
+#   make test        set everything up, then run every test (the command CI runs)
+# Both are idempotent: the second run skips what is done.
+
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup models milestone test lab workbook check status reset
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml tools/bootstrap.sh
+	@PYTHON=$(PYTHON) bash tools/bootstrap.sh
+	@touch $@
+
+models: setup
+	@$(VPY) tools/prepare_models.py
+
+milestone: models
+	@$(VPY) examples/stage1_milestone.py
+
+test:
+	@$(PYTHON) tools/workbook.py status   # stop before touching anything if you have local work
+	@$(MAKE) --no-print-directory models
+	@$(VPY) tools/test_all.py
+
+lab: models
+	$(VENV)/bin/jupyter lab --notebook-dir=.
+
+workbook: setup
+	$(VPY) tools/workbook.py build
+
+check: setup
+	$(VPY) tools/workbook.py check
+
+status:
+	@$(PYTHON) tools/workbook.py status
+
+reset: setup
+	@test -n "$(CH)" || (echo "usage: make reset CH=04   (backs up your chapter-04 modules, restores the reference)"; exit 2)
+	$(VPY) tools/workbook.py reset $(CH)

@@ -1,0 +1,172 @@
+"""Measurements shared by the benchmarks and the milestone notebook (DESIGN §7 definitions).
+
+- decode step: wall time of one whole step on a decode batch — filling the batch's fields,
+  ``prepare_metadata``, ``sampler.prepare`` and ``forward_batch`` (which samples) — median over
+  at least 32 steps after a warm-up;
+- HF per-token time: one decode-only forward of HF ``transformers`` with its own KV cache;
+- roofline: the weights' bytes (tied embeddings counted once) / the read bandwidth of a
+  read-only pass (``x.sum()``) over >= 1 GiB of float32, same thread count;
+- every function returns raw per-step seconds; callers take medians and ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, List, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):",
+           "Once upon a time,"]
+
+
+def median_ms(xs: Sequence[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 9) -> float:
+    """Bytes per second of a read-only pass (``x.sum()``) over ``gib`` GiB of float32."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    x.sum()  # touch every page once
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(model_path: str | Path) -> int:
+    """Bytes of every distinct weight in the checkpoint (tied embeddings counted once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                if k == "lm_head.weight":
+                    continue  # tied checkpoints omit it; untied ones are counted below
+                sl = h.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                total += n * 4  # float32
+            if "lm_head.weight" in h.keys():
+                shape = h.get_slice("lm_head.weight").get_shape()
+                total += shape[0] * shape[1] * 4
+    return total
+
+
+# ----------------------------------------------------------------------------- minisgl
+class MinisglRunner:
+    """Drive an Engine by hand, exactly as the milestone's step() does."""
+
+    def __init__(self, engine, tokenizer, max_len: int = 256) -> None:
+        self.engine, self.tok, self.max_len = engine, tokenizer, max_len
+
+    def make_reqs(self, prompts: Sequence[str], n: int):
+        from minisgl.core import Req, SamplingParams
+
+        reqs = []
+        for row, p in enumerate(prompts):
+            lo = row * self.max_len
+            self.engine.page_table[row, : self.max_len] = torch.arange(lo, lo + self.max_len)
+            ids = torch.tensor(self.tok(p).input_ids, dtype=torch.int32)
+            reqs.append(Req(input_ids=ids, table_idx=row, cached_len=0, output_len=n, uid=row,
+                            sampling_params=SamplingParams(max_tokens=n), cache_handle=None))
+        return reqs
+
+    def step(self, reqs, phase: str) -> List[int]:
+        from minisgl.core import Batch
+
+        engine = self.engine
+        batch = Batch(reqs=reqs, phase=phase)
+        engine.graph_runner.pad_batch(batch)
+        batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs]).int()
+        batch.input_ids = torch.cat([r.input_ids[r.cached_len: r.device_len] for r in reqs])
+        batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len: r.device_len]
+                                   for r in reqs])
+        engine.attn_backend.prepare_metadata(batch)
+        out = engine.forward_batch(batch, engine.sampler.prepare(batch))
+        for i, r in enumerate(reqs):
+            r.append_host(out.next_tokens_cpu[i: i + 1])
+        return out.next_tokens_cpu.tolist()
+
+    def decode_times(self, batch_size: int, steps: int = 32, warmup: int = 4) -> List[float]:
+        """Per-step seconds of ``steps`` decode steps of ``batch_size`` requests."""
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
+        reqs = self.make_reqs(prompts, steps + warmup + 1)
+        self.step(reqs, "prefill")
+        times = []
+        for i in range(steps + warmup):
+            t0 = time.perf_counter()
+            self.step(reqs, "decode")
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        return times
+
+
+# ----------------------------------------------------------------------------- HF transformers
+def hf_decode_times(model, tokenizer, prompt: str, steps: int = 32,
+                    warmup: int = 4) -> List[float]:
+    """Per-token seconds of HF decode forwards with its own KV cache (greedy feedback)."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    times = []
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = out.past_key_values
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        for i in range(steps + warmup):
+            t0 = time.perf_counter()
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    return times
+
+
+def hf_generate_tokens_per_s(model, tokenizer, prompts: Sequence[str], n: int = 16,
+                             repeats: int = 3) -> float:
+    """Throughput of HF ``generate`` on all prompts at once (left padding), greedy, n tokens."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    best = []
+    with torch.no_grad():
+        model.generate(**enc, max_new_tokens=2, do_sample=False)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            best.append(time.perf_counter() - t0)
+    return len(prompts) * n / statistics.median(best)
+
+
+# ----------------------------------------------------------------------------- step 0
+def step0_decode_times(model_path: str | Path, tokenizer, prompt: str, steps: int = 32,
+                       warmup: int = 4, model=None) -> List[float]:
+    from minisgl import step0
+
+    model = model or step0.load_model(model_path)
+    ids = tokenizer(prompt).input_ids
+    times: List[float] = []
+
+    def on_step(i: int, seconds: float) -> None:
+        if i > warmup:  # step 0 is the prefill
+            times.append(seconds)
+
+    step0.generate(model, ids, steps + warmup + 1, on_step=on_step)
+    return times
+
+
+def interleave(rounds: int, *jobs: Callable[[], List[float]]) -> List[List[float]]:
+    """Run each job ``rounds`` times, alternating between jobs; concatenate each job's samples."""
+    out: List[List[float]] = [[] for _ in jobs]
+    for _ in range(rounds):
+        for i, job in enumerate(jobs):
+            out[i].extend(job())
+    return out

@@ -1,0 +1,452 @@
+"""The catalogue of bad inputs (docs/errors.md): each one raises the documented exception with a
+message that names the problem and the fix. The table and these cases must list the same ids."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from helpers import ROOT, model_path
+
+TINY = "tiny-llama"
+
+
+def _table() -> dict[str, tuple[str, list[str]]]:
+    rows = {}
+    for line in (ROOT / "docs" / "errors.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or cells[0] in ("id", "---") or set(cells[0]) <= {"-"}:
+            continue
+        rows[cells[0]] = (cells[2], re.findall(r"`([^`]+)`", cells[3]))
+    return rows
+
+
+TABLE = _table()
+
+
+# ----------------------------------------------------------------------------- fixtures
+_ENGINE = None
+
+
+def get_engine():
+    """A small live Engine; rebuilt when a case's own Engine shut it down (one per process)."""
+    global _ENGINE
+    if _ENGINE is None or _ENGINE._closed:
+        _ENGINE = _engine()
+    return _ENGINE
+
+
+@pytest.fixture
+def engine():
+    """Each case gets a callable; cases that need an Engine call it."""
+    yield get_engine
+    from minisgl import core
+    from minisgl.distributed import info
+
+    if _ENGINE is None or _ENGINE._closed:  # no live Engine: no global state may remain
+        core._GLOBAL_CTX, info._TP_INFO = None, None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shutdown_at_end():
+    yield
+    if _ENGINE is not None:
+        _ENGINE.shutdown()
+
+
+def _config(**kw):
+    from minisgl.distributed import DistributedInfo
+    from minisgl.engine import EngineConfig
+
+    args = dict(model_path=str(model_path(TINY)), tp_info=DistributedInfo(0, 1),
+                dtype=torch.float32, max_running_req=2, num_page_override=64,
+                max_seq_len_override=32)
+    args.update(kw)
+    return EngineConfig(**args)
+
+
+def _engine(**kw):
+    from minisgl.engine import Engine
+
+    return Engine(_config(**kw))
+
+
+def _copy_model(tmp_path, name=TINY):
+    dst = tmp_path / name
+    shutil.copytree(model_path(name), dst)
+    return dst
+
+
+def _edit_config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _req(n=4, table_idx=0, cached_len=0, output_len=4, uid=0):
+    from minisgl.core import Req, SamplingParams
+
+    return Req(input_ids=torch.arange(1, n + 1, dtype=torch.int32), table_idx=table_idx,
+               cached_len=cached_len, output_len=output_len, uid=uid,
+               sampling_params=SamplingParams(), cache_handle=None)
+
+
+def _filled_batch(engine, reqs, phase="prefill", skip=()):
+    from minisgl.core import Batch
+
+    batch = Batch(reqs=reqs, phase=phase)
+    for r in reqs:
+        if 0 <= r.table_idx < engine.page_table.shape[0]:
+            engine.page_table[r.table_idx, :32] = torch.arange(32) + 32 * (r.table_idx % 2)
+    if "pad" not in skip:
+        engine.graph_runner.pad_batch(batch)
+    if "fields" not in skip:
+        batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs]).int()
+        batch.input_ids = torch.cat([r.input_ids[r.cached_len:r.device_len] for r in reqs])
+        batch.out_loc = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs]).int()
+    if "metadata" not in skip and "fields" not in skip and "pad" not in skip:
+        engine.attn_backend.prepare_metadata(batch)
+    return batch
+
+
+def _model_state(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _save_state(folder, state):
+    from safetensors.torch import save_file
+
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ----------------------------------------------------------------------------- the cases
+def case_model_folder_missing(tmp_path, engine):
+    _engine(model_path=str(tmp_path / "nope"))
+
+
+def case_no_config_json(tmp_path, engine):
+    (tmp_path / "m").mkdir()
+    _engine(model_path=str(tmp_path / "m"))
+
+
+def case_no_safetensors(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    (folder / "model.safetensors").unlink()
+    _engine(model_path=str(folder))
+
+
+def case_config_field_missing(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    _edit_config(folder, hidden_size=None)
+    from minisgl.models import ModelConfig
+
+    class Cfg:  # an HF config object without hidden_size (AutoConfig would fill a default)
+        pass
+
+    cfg = Cfg()
+    for k, v in json.loads((folder / "config.json").read_text()).items():
+        setattr(cfg, k, v)
+    ModelConfig.from_hf(cfg)
+
+
+def case_unsupported_architecture(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    _edit_config(folder, architectures=["GPT2LMHeadModel"])
+    _engine(model_path=str(folder))
+
+
+def case_corrupt_safetensors(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    _engine(model_path=str(folder))
+
+
+def case_checkpoint_key_missing(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    state = _model_state(folder)
+    del state["model.norm.weight"]
+    _save_state(folder, state)
+    _engine(model_path=str(folder))
+
+
+def case_checkpoint_key_unexpected(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    state = _model_state(folder)
+    state["model.rotary_emb.inv_freq"] = torch.ones(8)
+    _save_state(folder, state)
+    _engine(model_path=str(folder))
+
+
+def case_tensor_shape_mismatch(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    state = _model_state(folder)
+    state["model.norm.weight"] = torch.ones(3)
+    _save_state(folder, state)
+    try:
+        _engine(model_path=str(folder))
+    except ValueError as e:
+        assert "model.norm.weight" in str(e), str(e)
+        raise
+
+
+def case_tensor_dtype_mismatch(tmp_path, engine):
+    from minisgl.layers import RMSNorm
+
+    norm = RMSNorm(4, 1e-6)
+    norm.weight = torch.ones(4)
+    norm.load_state_dict({"weight": torch.ones(4, dtype=torch.float16)})
+
+
+def case_dtype_not_float(tmp_path, engine):
+    _engine(dtype=torch.int32)
+
+
+def case_pages_too_many(tmp_path, engine):
+    _engine(num_page_override=10**9)
+
+
+def case_memory_ratio_too_small(tmp_path, engine):
+    _engine(num_page_override=None, memory_ratio=1e-6)
+
+
+def case_memory_ratio_out_of_range(tmp_path, engine):
+    _engine(memory_ratio=1.5)
+
+
+def case_page_size_zero(tmp_path, engine):
+    _engine(page_size=0)
+
+
+def case_context_page_size_zero(tmp_path, engine):
+    from minisgl.core import Context
+
+    Context(page_size=0)
+
+
+def case_too_many_requests(tmp_path, engine):
+    engine = engine()
+    reqs = [_req(table_idx=i % 2, uid=i) for i in range(3)]
+    batch = _filled_batch(engine, reqs)
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_table_idx_out_of_range(tmp_path, engine):
+    engine = engine()
+    batch = _filled_batch(engine, [_req(table_idx=7)])
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_table_idx_twice(tmp_path, engine):
+    engine = engine()
+    batch = _filled_batch(engine, [_req(table_idx=0, uid=0), _req(table_idx=0, uid=1)])
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_cached_len_not_below_device_len(tmp_path, engine):
+    _req(n=5, cached_len=5)
+
+
+def case_prompt_too_long(tmp_path, engine):
+    engine = engine()
+    batch = _filled_batch(engine, [_req(n=4, output_len=100)])
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_batch_fields_unset(tmp_path, engine):
+    engine = engine()
+    batch = _filled_batch(engine, [_req()], skip=("fields",))
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_padded_reqs_unset(tmp_path, engine):
+    engine = engine()
+    batch = _filled_batch(engine, [_req()], skip=("pad",))
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_metadata_unset(tmp_path, engine):
+    engine = engine()
+    batch = _filled_batch(engine, [_req()], skip=("metadata",))
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_out_loc_outside_pool(tmp_path, engine):
+    engine = engine()
+    batch = _filled_batch(engine, [_req()])
+    batch.out_loc = batch.out_loc + 10_000
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_empty_batch(tmp_path, engine):
+    from minisgl.core import Batch
+
+    Batch(reqs=[], phase="decode")
+
+
+def case_bad_phase(tmp_path, engine):
+    from minisgl.core import Batch
+
+    Batch(reqs=[_req()], phase="extend")
+
+
+def case_input_ids_float(tmp_path, engine):
+    from minisgl.core import Req
+
+    Req(input_ids=torch.tensor([1.0, 2.0]), table_idx=0, cached_len=0, output_len=1, uid=0,
+        sampling_params=None)
+
+
+def case_input_ids_not_cpu(tmp_path, engine):
+    from minisgl.core import Req
+
+    Req(input_ids=torch.empty(3, dtype=torch.int32, device="meta"), table_idx=0, cached_len=0,
+        output_len=1, uid=0, sampling_params=None)
+
+
+def case_input_ids_not_tensor(tmp_path, engine):
+    from minisgl.core import Req
+
+    Req(input_ids=[1, 2, 3], table_idx=0, cached_len=0, output_len=1, uid=0,
+        sampling_params=None)
+
+
+def case_temperature_negative(tmp_path, engine):
+    from minisgl.core import SamplingParams
+
+    SamplingParams(temperature=-1)
+
+
+def case_top_p_zero(tmp_path, engine):
+    from minisgl.core import SamplingParams
+
+    SamplingParams(top_p=0)
+
+
+def case_top_p_above_one(tmp_path, engine):
+    from minisgl.core import SamplingParams
+
+    SamplingParams(top_p=1.5)
+
+
+def case_top_k_zero(tmp_path, engine):
+    from minisgl.core import SamplingParams
+
+    SamplingParams(top_k=0)
+
+
+def case_top_k_above_vocab(tmp_path, engine):
+    engine = engine()
+    from minisgl.core import Batch, SamplingParams
+
+    req = _req()
+    req.sampling_params = SamplingParams(temperature=1.0, top_k=10**6)
+    engine.sampler.prepare(Batch(reqs=[req], phase="prefill"))
+
+
+def case_forward_outside_context(tmp_path, engine):
+    engine = engine()
+    engine.model.forward()
+
+
+def case_nested_forward_batch(tmp_path, engine):
+    from minisgl.core import Batch, Context
+
+    ctx = Context(page_size=1)
+    batch = Batch(reqs=[_req()], phase="prefill")
+    with ctx.forward_batch(batch):
+        with ctx.forward_batch(batch):
+            pass
+
+
+def case_unknown_attention_backend(tmp_path, engine):
+    _engine(attention_backend="flash")
+
+
+def case_flashinfer_on_cpu(tmp_path, engine):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the case is about machines without it")
+    _engine(attention_backend="fi")
+
+
+def case_tp_size_not_dividing_heads(tmp_path, engine):
+    from minisgl.distributed import DistributedInfo
+
+    _engine(model_path=str(model_path("SmolLM2-135M-Instruct")), tp_info=DistributedInfo(0, 2))
+
+
+def case_bad_tp_info(tmp_path, engine):
+    from minisgl.distributed import DistributedInfo
+
+    DistributedInfo(2, 2)
+
+
+def case_engine_used_after_shutdown(tmp_path, engine):
+    from minisgl.core import Batch
+
+    eng = _engine()
+    eng.shutdown()
+    eng.forward_batch(Batch(reqs=[_req()], phase="prefill"), None)
+
+
+def case_learner_stub_left(tmp_path, engine):
+    """A stub raising NotImplementedError('Exercise N.M: ...') inside a test is reported as
+    'Exercise N.M is not done yet' by tests/conftest.py."""
+    test = tmp_path / "test_stub.py"
+    test.write_text(textwrap.dedent("""
+        def test_uses_a_stub():
+            raise NotImplementedError("Exercise 4.1: write k and v into the pool at out_loc")
+    """))
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(test)], capture_output=True, text=True, cwd=tmp_path)
+    raise _Reported(res.stdout + res.stderr)
+
+
+class _Reported(Exception):
+    """Carries a chapter test's report, for the learner-stub case."""
+
+
+CASES = {name[len("case_"):].replace("_", "-"): fn for name, fn in globals().items()
+         if name.startswith("case_")}
+
+
+def test_table_and_cases_agree():
+    assert set(TABLE) == set(CASES), (
+        f"docs/errors.md and tests/test_errors.py disagree: only in the table: "
+        f"{sorted(set(TABLE) - set(CASES))}; only in the tests: {sorted(set(CASES) - set(TABLE))}")
+    assert len(TABLE) >= 25
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_gets_a_clear_error(case, tmp_path, engine):
+    kind, fragments = TABLE[case]
+    with pytest.raises(Exception) as info:
+        CASES[case](tmp_path, engine)
+    err = info.value
+    message = str(err)
+    if case == "learner-stub-left":
+        assert isinstance(err, _Reported)
+        assert "1 failed" in message, message
+        fragments = ["Exercise 4.1 is not done yet", "write k and v into the pool at out_loc"]
+    else:
+        assert type(err).__name__ == kind, f"{case}: expected {kind}, got {type(err).__name__}: " \
+            f"{message}"
+    for fragment in fragments:
+        fragment = fragment.replace("N.M", "")
+        if fragment in ("the key", "the task"):
+            continue
+        assert fragment in message, f"{case}: the message should mention {fragment!r}: {message}"

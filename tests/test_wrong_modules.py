@@ -1,0 +1,251 @@
+"""A wrong learner module must be caught by its chapter's tests, with a message naming the exercise.
+
+For each chapter 00-06 this file takes a plausible bug a learner would really write (not a stub),
+applies it as an exact text replacement to the module in a temporary copy of the repository, runs
+that chapter's tests there (``pytest -x``: the run stops at the first failure, as a learner sees
+it) and checks that the first failure's message names the exercise ("Exercise N.M").
+
+Mechanics:
+- the copy holds the files of ``git ls-files -co --exclude-standard`` plus a symlink to the real
+  ``models/`` folder (git-ignored, ~600 MB);
+- the subprocess runs from the copy root with ``PYTHONPATH`` = the copy root. The venv installs
+  ``minisgl`` editable (pointing at this checkout), but setuptools' editable finder is *appended*
+  to ``sys.meta_path``, after the normal path finder, so the copy's package wins; a small pytest
+  plugin written into the copy records where every ``minisgl`` module was imported from, and each
+  run asserts that all of them come from the copy;
+- the first failure's message is read from the JUnit XML report (the exception message the
+  learner sees, without the test's source lines, which also quote "Exercise ..." strings).
+
+When the reference code of an exercise changes, the exact text a mutation replaces may disappear:
+the test then fails saying that the mutation no longer applies and must be updated here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RUN_TIMEOUT_S = 240  # a chapter's tests take < 60 s; generous for a shared, busy 2-core machine
+
+# Written into the copy's root (on PYTHONPATH) and loaded with `-p`: records, at the end of the
+# session, the file of every imported minisgl module.
+ORIGIN_PLUGIN = '''
+import json, os, sys
+
+
+def pytest_sessionfinish(session, exitstatus):
+    mods = {name: getattr(mod, "__file__", None) for name, mod in list(sys.modules.items())
+            if name == "minisgl" or name.startswith("minisgl.")}
+    with open(os.environ["WRONG_MODULES_ORIGIN"], "w") as f:
+        json.dump(mods, f)
+'''
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    chapter: str  # "04"
+    exercise: str  # "4.1"
+    module: str  # path of the module, relative to the repository root
+    bug: str  # what the learner got wrong, in words
+    edits: tuple  # ((old, new), ...): exact text replacements, each `old` occurs exactly once
+
+    @property
+    def id(self) -> str:
+        return f"ch{self.chapter}-ex{self.exercise}-{self.bug.split(':')[0]}"
+
+
+MUTATIONS = [
+    Mutation("00", "0.2", "minisgl/step0.py",
+             "no-causal-mask: attention forgets to mask the future",
+             (('    scores = scores.masked_fill(future, float("-inf"))  # exp(-inf) = 0: no weight '
+               'on the future\n', ''),)),
+    Mutation("01", "1.3", "minisgl/core.py",
+             "no-device_len-advance: complete_one forgets `device_len += 1`",
+             (('        self.cached_len = self.device_len\n        self.device_len += 1\n',
+               '        self.cached_len = self.device_len\n'),)),
+    Mutation("02", "2.8", "minisgl/layers/rotary.py",
+             "rope-sin-sign: the rotation uses +sin / -sin the wrong way round",
+             (('o1 = torch.addcmul(x1 * cos, x2, sin, value=-1)  # x1 * cos - x2 * sin',
+               'o1 = torch.addcmul(x1 * cos, x2, sin)  # x1 * cos + x2 * sin'),
+              ('o2 = torch.addcmul(x2 * cos, x1, sin)  # x2 * cos + x1 * sin',
+               'o2 = torch.addcmul(x2 * cos, x1, sin, value=-1)  # x2 * cos - x1 * sin'))),
+    Mutation("03", "3.4", "minisgl/models/weight.py",
+             "merge-in-file-order: q/k/v (gate/up) are concatenated in checkpoint order (k, q, v)",
+             (('torch.cat([parts[i] for i in range(expected)], dim=0)',
+               'torch.cat(list(parts.values()), dim=0)'),)),
+    Mutation("04", "4.1", "minisgl/kvcache/mha_pool.py",
+             "k-into-v-buffer: store_kv copies k into the v buffer (copy-paste)",
+             (('self._v_buffer[layer_id].view(shape).index_copy_(0, index, v.view(shape))',
+               'self._v_buffer[layer_id].view(shape).index_copy_(0, index, k.view(shape))'),)),
+    Mutation("05", "5.1", "minisgl/attention/torch_backend.py",
+             "top-left-causal: the mask forgets the cached prefix (query i sees keys 0..i)",
+             (('    query_pos = cached_lens[:, None, None] + i  # [Bp, Qmax, 1]\n',
+               '    query_pos = i  # [1, Qmax, 1]\n'),)),
+    Mutation("06", "6.1", "minisgl/engine/sample.py",
+             "top-p-before-top-k: the top-p cut runs before the top-k cut",
+             (('    if top_k is not None:\n'
+               '        sorted_p = sorted_p.masked_fill(rank >= top_k[:, None], 0.0)\n'
+               '    if top_p is not None:\n'
+               '        kept = sorted_p / sorted_p.sum(-1, keepdim=True)\n'
+               '        mass_before = kept.cumsum(-1) - kept  # mass of the likelier tokens\n'
+               '        sorted_p = sorted_p.masked_fill((mass_before >= top_p[:, None]) & (rank > 0),'
+               ' 0.0)\n',
+               '    if top_p is not None:\n'
+               '        kept = sorted_p / sorted_p.sum(-1, keepdim=True)\n'
+               '        mass_before = kept.cumsum(-1) - kept  # mass of the likelier tokens\n'
+               '        sorted_p = sorted_p.masked_fill((mass_before >= top_p[:, None]) & (rank > 0),'
+               ' 0.0)\n'
+               '    if top_k is not None:\n'
+               '        sorted_p = sorted_p.masked_fill(rank >= top_k[:, None], 0.0)\n'),)),
+]
+
+
+# ----------------------------------------------------------------------------- the copy
+
+
+@pytest.fixture(scope="module")
+def repo_files() -> list[str]:
+    """The repository's files as git sees them (tracked and untracked, ignored ones left out)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                             capture_output=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.fail(f"`git ls-files` failed in {ROOT} ({e}); this test copies the repository's "
+                    "files with git", pytrace=False)
+    files = [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+    assert files, "git ls-files listed no files"
+    if not (ROOT / "models").is_dir():
+        pytest.fail(f"{ROOT / 'models'} is missing: run `make models`", pytrace=False)
+    return files
+
+
+def make_copy(dest: pathlib.Path, files: list[str]) -> pathlib.Path:
+    for rel in files:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / rel, target)
+    (dest / "models").symlink_to(ROOT / "models", target_is_directory=True)
+    (dest / "_wrong_modules_origin.py").write_text(ORIGIN_PLUGIN)
+    return dest
+
+
+def apply(copy: pathlib.Path, mutation: Mutation) -> None:
+    path = copy / mutation.module
+    text = path.read_text()
+    for old, new in mutation.edits:
+        if text.count(old) != 1:
+            pytest.fail(
+                f"the mutation {mutation.id!r} no longer applies: {mutation.module} contains the "
+                f"text it replaces {text.count(old)} time(s), expected exactly once. The code of "
+                f"Exercise {mutation.exercise} changed; update MUTATIONS in "
+                f"tests/test_wrong_modules.py to the new code.\nText looked for:\n{old}",
+                pytrace=False)
+        text = text.replace(old, new)
+    path.write_text(text)
+
+
+@dataclasses.dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+    failures: list  # [(test id, kind, message)] in report order
+    origins: dict  # minisgl module name -> file it was imported from
+
+
+def run_chapter(copy: pathlib.Path, chapter: str, extra: tuple = ()) -> Run:
+    """Run the copy's tests/test_chNN_*.py with -x, from the copy root, on the copy's minisgl."""
+    test_files = sorted((copy / "tests").glob(f"test_ch{chapter}_*.py"))
+    assert len(test_files) == 1, f"expected one tests/test_ch{chapter}_*.py, got {test_files}"
+    report, origin = copy.parent / f"junit-{chapter}.xml", copy.parent / f"origin-{chapter}.json"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTEST_ADDOPTS",
+                        "PYTEST_PLUGINS")}
+    env.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1", WRONG_MODULES_ORIGIN=str(origin))
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+           "-p", "_wrong_modules_origin", f"--junitxml={report}",
+           str(test_files[0].relative_to(copy)), *extra]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"chapter {chapter}'s tests did not finish within {RUN_TIMEOUT_S} s in the "
+                    f"copy {copy}:\n{(e.stdout or b'')[-3000:]!r}", pytrace=False)
+    seconds = time.perf_counter() - start
+    output = proc.stdout + proc.stderr
+    failures = []
+    if report.exists():
+        for case in ET.parse(report).getroot().iter("testcase"):
+            for kind in ("failure", "error"):
+                for node in case.findall(kind):
+                    failures.append((f"{case.get('classname')}::{case.get('name')}", kind,
+                                     node.get("message") or ""))
+    origins = json.loads(origin.read_text()) if origin.exists() else {}
+    return Run(proc.returncode, output, seconds, failures, origins)
+
+
+def assert_imported_from_copy(run: Run, copy: pathlib.Path, module: str | None = None) -> None:
+    assert run.origins, (
+        "the origin plugin recorded no minisgl module: the chapter's tests did not import minisgl, "
+        f"or the plugin did not run.\n{run.output[-3000:]}")
+    outside = {name: f for name, f in run.origins.items()
+               if f is not None and not pathlib.Path(f).resolve().is_relative_to(copy.resolve())}
+    assert not outside, (
+        f"these minisgl modules were imported from outside the copy {copy} (the editable install "
+        f"won over PYTHONPATH?): {outside}")
+    if module is not None:
+        name = module.removesuffix(".py").replace("/", ".")
+        assert name in run.origins, (
+            f"the chapter's tests never imported {name}, the mutated module; imported: "
+            f"{sorted(run.origins)}")
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+def test_unmutated_copy_passes_chapter_01(repo_files, tmp_path):
+    """The copy mechanism itself is sound: the untouched copy passes, on the copy's own modules."""
+    copy = make_copy(tmp_path / "repo", repo_files)
+    run = run_chapter(copy, "01")
+    print(f"unmutated chapter 01: exit {run.returncode} in {run.seconds:.1f} s")
+    assert run.returncode == 0, (
+        f"the unmutated copy fails tests/test_ch01_core.py (exit {run.returncode}): the copy "
+        f"mechanism is broken, so the wrong-module tests below would prove nothing.\n"
+        f"{run.output[-4000:]}")
+    assert not run.failures, run.failures
+    assert_imported_from_copy(run, copy, "minisgl/core.py")
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.id for m in MUTATIONS])
+def test_wrong_module_is_caught_and_named(mutation, repo_files, tmp_path):
+    copy = make_copy(tmp_path / "repo", repo_files)
+    apply(copy, mutation)
+    run = run_chapter(copy, mutation.chapter)
+    first = run.failures[0] if run.failures else None
+    print(f"chapter {mutation.chapter}, {mutation.bug}: exit {run.returncode} in "
+          f"{run.seconds:.1f} s; first failure: {first}")
+    assert run.returncode != 0, (
+        f"chapter {mutation.chapter}'s tests PASS on a wrong Exercise {mutation.exercise} "
+        f"({mutation.bug}, in {mutation.module}): the chapter's tests must catch this bug.\n"
+        f"{run.output[-3000:]}")
+    assert_imported_from_copy(run, copy, mutation.module)
+    assert run.returncode == 1 and first is not None, (
+        f"chapter {mutation.chapter}'s tests did not fail on a test (exit {run.returncode}, "
+        f"failures {run.failures}): a usage or collection error?\n{run.output[-3000:]}")
+    test_id, kind, message = first
+    assert len(run.failures) == 1, f"-x should stop at the first failure: {run.failures}"
+    assert f"Exercise {mutation.exercise}" in message, (
+        f"chapter {mutation.chapter}: with a wrong Exercise {mutation.exercise} ({mutation.bug}) "
+        f"the first failure, {test_id} ({kind}), does not name the exercise; the learner sees:\n"
+        f"{message[:2000]}")

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create .venv with a supported Python and install the workbook (editable) with its pinned
+# dependencies. Called by `make setup`; safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+pick_python() {
+  for cand in "${PYTHON:-}" python3.11 python3.12 python3.10 python3; do
+    [ -n "$cand" ] || continue
+    command -v "$cand" >/dev/null 2>&1 || continue
+    if "$cand" -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info[:2] <= (3, 12) else 1)'; then
+      echo "$cand"; return 0
+    fi
+  done
+  return 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+  py=$(pick_python) || {
+    echo "setup: no Python 3.10-3.12 found (tried \$PYTHON, python3.11, python3.12, python3.10, python3)." >&2
+    echo "setup: install Python 3.11 and rerun, or point PYTHON at it: make PYTHON=/path/to/python3.11 test" >&2
+    exit 1
+  }
+  echo "[setup] creating .venv with $($py --version)"
+  "$py" -m venv .venv
+fi
+echo "[setup] installing minisgl and its pinned dependencies into .venv (first time: about a minute)"
+if ! .venv/bin/python -m pip install --disable-pip-version-check -q -e '.[dev,convert]'; then
+  echo "setup: pip could not install the packages above. Check that pip reaches the package index" >&2
+  echo "setup: (proxy settings, 'pip config list'), then rerun 'make setup'." >&2
+  exit 1
+fi
+# The browser test (tests/test_browser.py) drives Debian's Chromium. Install it where we may
+# (root with apt); anywhere else that test is skipped and says how to enable it.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
+  echo "[setup] installing chromium and chromium-driver with apt (for tests/test_browser.py)"
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }; then
+    echo "setup: warning: could not install chromium with apt; tests/test_browser.py will be skipped" >&2
+  fi
+fi
+echo "[setup] done"
