@@ -17,9 +17,13 @@ Definitions (what the table reports):
   File-backed pages (a memory-mapped ``.safetensors`` file) are not anonymous and do not count:
   they belong to the page cache and the kernel can drop them at any time.
 - *weights*: the bytes of every tensor stored in the checkpoint.
-- *time*: wall time of the load alone (imports and interpreter start-up happen before the clock
-  starts, in both loaders). The checkpoint is read once before the first run, so every run finds
-  it in the page cache.
+- *time*: wall time of the load alone, reading ``config.json`` included (imports — torch,
+  transformers, the model code — and interpreter start-up happen before the clock starts, in
+  both loaders). The checkpoint is read once before the first run, so every run finds it in the
+  page cache.
+- *then read every weight once*: not part of the load. HF's tensors still point into the
+  memory-mapped file after ``from_pretrained``, so HF pays for reading the file here (as it would
+  in its first forward); minisgl already copied most of it while loading.
 
 The two loaders alternate (minisgl, HF, HF, minisgl, ...) for ``--reps`` repetitions; the table
 gives medians and ratios. The goal for minisgl is load memory <= 1.15x the weights' bytes and time
@@ -77,10 +81,14 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
 # ----------------------------------------------------------------------------- child process
 
 
-def child(loader: str, path: str) -> None:
+def child(loader: str, path: str, threads: int | None) -> None:
     """Import everything, say READY, wait for GO, load once, say DONE, wait for EXIT."""
     import torch
+    from transformers import AutoConfig  # both loaders read config.json with it: import it first
 
+    if threads:
+        torch.set_num_threads(threads)
+    config = AutoConfig.from_pretrained(path)  # imports the config classes (not timed, for both)
     if loader == "minisgl":
         import minisgl.utils
         from minisgl.distributed import set_tp_info
@@ -96,12 +104,11 @@ def child(loader: str, path: str) -> None:
             model.load_state_dict({n: t for n, t in load_weight(path)})
             return model
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        cfg = AutoConfig.from_pretrained(path)
-        AutoModelForCausalLM._model_mapping[type(cfg)]  # import the modeling module up front
+        AutoModelForCausalLM._model_mapping[type(config)]  # import the modeling module up front
 
         def load():
             return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -130,11 +137,13 @@ def child(loader: str, path: str) -> None:
 # ----------------------------------------------------------------------------- parent process
 
 
-def run_once(loader: str, path: pathlib.Path) -> dict:
+def run_once(loader: str, path: pathlib.Path, threads: int | None) -> dict:
     """One load in a fresh process; returns seconds, peak anonymous bytes added, bytes kept."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, __file__, "--child", loader, "--model", str(path)],
+    extra = ["--threads", str(threads)] if threads else []
+    proc = subprocess.Popen([sys.executable, __file__, "--child", loader, "--model", str(path),
+                             *extra],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                             cwd=ROOT)
     try:
@@ -186,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads in each loader (default: torch's own choice)")
     parser.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        child(args.child, args.model)
+        child(args.child, args.model, args.threads)
         return 0
     path = pathlib.Path(args.model).resolve()
     if not (path / "config.json").is_file():
@@ -204,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.reps):
         order = LOADERS if rep % 2 == 0 else LOADERS[::-1]
         for loader in order:
-            r = run_once(loader, path)
+            r = run_once(loader, path, args.threads)
             runs[loader].append(r)
             print(f"rep {rep + 1}/{args.reps} {loader:8s} {r['seconds']:7.3f} s  peak +"
                   f"{r['peak'] / 2**20:7.1f} MiB  kept +{r['kept'] / 2**20:7.1f} MiB  "
@@ -217,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     m, h = med["minisgl"], med["hf"]
     print(f"\nLoading `{path.name}` (weights: {wbytes / 2**20:.1f} MiB float32), medians of "
           f"{args.reps} runs per loader, each in a fresh process, interleaved; "
-          f"{os.cpu_count()} CPUs, torch threads default.\n")
+          f"{os.cpu_count()} CPUs, torch threads {args.threads or 'default'}.\n")
     print("| loader | load time (s) | peak load memory (MiB) | memory / weights | "
           "anon memory kept (MiB) | then read every weight once (s) |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -104,7 +104,15 @@ def test_lengths_across_life_cycle(n_prompt, output_len, cached_len):
                 f"(all lengths: {got})")
         if not want["can_decode"]:
             break
+        before = lengths_of(req)
         req.complete_one()  # the Engine calls this right after the forward
+        after = lengths_of(req)
+        assert (after["cached_len"], after["device_len"]) == (
+            before["device_len"], before["device_len"] + 1), (
+            f"Exercise 1.3 (complete_one): {what}, {when}: complete_one should make cached_len = "
+            f"the old device_len ({before['device_len']}) and device_len one more "
+            f"({before['device_len'] + 1}), got cached_len={after['cached_len']}, "
+            f"device_len={after['device_len']}")
         token = torch.tensor([7 + step], dtype=torch.int64)  # the token sampled by that forward
         req.append_host(token)
         assert len(req.input_ids) == req.device_len, (

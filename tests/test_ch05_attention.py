@@ -439,10 +439,52 @@ def test_create_torch_backend_and_graph_hooks():
     assert isinstance(be, TorchBackend) and isinstance(be, BaseAttnBackend)
     assert (be.num_qo_heads, be.num_kv_heads, be.head_dim) == (8, 2, 32), (
         "TorchBackend should take Hq, Hkv and D from the ModelConfig (divided by the tp size)")
+
+    class NoGraphs(BaseAttnBackend):  # keeps base.py's defaults: the GraphRunner runs it eagerly
+        def prepare_metadata(self, batch):
+            pass
+
+        def forward(self, q, k, v, layer_id, batch):
+            return q
+
     for hook, args in (("init_capture_graph", (64, [1, 2])), ("prepare_for_capture", (None,)),
                        ("prepare_for_replay", (None,))):
         with pytest.raises(NotImplementedError):
-            getattr(env.backend, hook)(*args)
+            getattr(NoGraphs(), hook)(*args)
+    del env
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_torch_graph_hooks_replay_the_eager_result(ps):
+    """GPU section: capture on a batch of dummies, then replay a real decode batch. The metadata
+    captured (what a CUDA graph's kernels keep pointing at) must now give the eager output, with
+    the new tokens' k, v stored at this step's slots (the buffers are refreshed in place)."""
+    env = make_env(4, 2, 16, ps, seed=50 + ps)
+    width = env.page_table.shape[1]
+    env.backend.init_capture_graph(width, [1, 2, 4])
+    dummies = [env.dummy_req() for _ in range(4)]
+    cap = Batch(reqs=dummies, phase="decode")
+    cap.padded_reqs = dummies
+    cap.out_loc = torch.full((4,), env.dummy_slot, dtype=torch.int32)
+    env.backend.prepare_for_capture(cap)
+    assert cap.attn_metadata.max_kv_len == width, (
+        "a captured decode batch attends over the whole page-table width (fixed shapes)")
+    reqs = [env.add_req(n - 1, n) for n in (9, 3, 17)]
+    batch = env.make_batch(reqs, "decode", n_dummy=1)
+    inputs = [env.qkv(batch, layer) for layer in range(NUM_LAYERS)]
+    env.backend.prepare_metadata(batch)
+    eager = [env.backend.forward(q, k, v, layer, batch) for layer, (q, k, v) in enumerate(inputs)]
+    loc = batch.out_loc.long()
+    for layer in range(NUM_LAYERS):  # forget what the eager pass stored
+        env.pool.k_cache(layer).view(-1, env.hkv, env.d)[loc] = 0.0
+        env.pool.v_cache(layer).view(-1, env.hkv, env.d)[loc] = 0.0
+    env.backend.prepare_for_replay(batch)  # batch.attn_metadata: this step's, from prepare_metadata
+    for layer, (q, k, v) in enumerate(inputs):
+        o = env.backend.forward(q, k, v, layer, cap)  # what the captured kernels compute now
+        torch.testing.assert_close(o[:3], eager[layer][:3], atol=1e-5, rtol=1e-5, msg=lambda m: (
+            f"layer {layer}, page_size={ps}: the replayed decode differs from the eager one; "
+            f"prepare_for_replay must copy the step's slots, lengths and out_loc into the "
+            f"captured buffers in place ({m})"))
 
 
 def test_torch_backend_needs_pool_and_page_table():

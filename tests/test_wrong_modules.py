@@ -16,6 +16,10 @@ Mechanics:
 - the first failure's message is read from the JUnit XML report (the exception message the
   learner sees, without the test's source lines, which also quote "Exercise ..." strings).
 
+A bug the chapter's tests do not (yet) catch, or catch without naming the exercise, is listed
+with ``gap=`` (why) and runs as a strict xfail: it turns into a failure as soon as the chapter's
+tests improve, so that the ``gap=`` is removed.
+
 When the reference code of an exercise changes, the exact text a mutation replaces may disappear:
 the test then fails saying that the mutation no longer applies and must be updated here.
 """
@@ -58,17 +62,31 @@ class Mutation:
     module: str  # path of the module, relative to the repository root
     bug: str  # what the learner got wrong, in words
     edits: tuple  # ((old, new), ...): exact text replacements, each `old` occurs exactly once
+    gap: str = ""  # non-empty: the chapter's tests do not name the exercise yet (strict xfail)
 
     @property
     def id(self) -> str:
         return f"ch{self.chapter}-ex{self.exercise}-{self.bug.split(':')[0]}"
 
 
+_CAUSAL_MASK = ('    scores = scores.masked_fill(future, float("-inf"))  # exp(-inf) = 0: no '
+                'weight on the future\n')
+_TOP_K = ("    if top_k is not None:\n"
+          "        sorted_p = sorted_p.masked_fill(rank >= top_k[:, None], 0.0)\n")
+_TOP_P = ("    if top_p is not None:\n"
+          "        kept = sorted_p / sorted_p.sum(-1, keepdim=True)\n"
+          "        mass_before = kept.cumsum(-1) - kept  # mass of the likelier tokens\n"
+          "        sorted_p = sorted_p.masked_fill((mass_before >= top_p[:, None]) & (rank > 0), "
+          "0.0)\n")
+
 MUTATIONS = [
     Mutation("00", "0.2", "minisgl/step0.py",
              "no-causal-mask: attention forgets to mask the future",
-             (('    scores = scores.masked_fill(future, float("-inf"))  # exp(-inf) = 0: no weight '
-               'on the future\n', ''),)),
+             ((_CAUSAL_MASK, ""),)),
+    Mutation("01", "1.3", "minisgl/core.py",
+             "lines-swapped: complete_one advances device_len before copying it to cached_len",
+             (('        self.cached_len = self.device_len\n        self.device_len += 1\n',
+               '        self.device_len += 1\n        self.cached_len = self.device_len\n'),)),
     Mutation("01", "1.3", "minisgl/core.py",
              "no-device_len-advance: complete_one forgets `device_len += 1`",
              (('        self.cached_len = self.device_len\n        self.device_len += 1\n',
@@ -92,21 +110,12 @@ MUTATIONS = [
              (('    query_pos = cached_lens[:, None, None] + i  # [Bp, Qmax, 1]\n',
                '    query_pos = i  # [1, Qmax, 1]\n'),)),
     Mutation("06", "6.1", "minisgl/engine/sample.py",
+             "top-k-off-by-one: the top-k cut keeps k + 1 tokens (rank > k)",
+             (('sorted_p = sorted_p.masked_fill(rank >= top_k[:, None], 0.0)',
+               'sorted_p = sorted_p.masked_fill(rank > top_k[:, None], 0.0)'),)),
+    Mutation("06", "6.1", "minisgl/engine/sample.py",
              "top-p-before-top-k: the top-p cut runs before the top-k cut",
-             (('    if top_k is not None:\n'
-               '        sorted_p = sorted_p.masked_fill(rank >= top_k[:, None], 0.0)\n'
-               '    if top_p is not None:\n'
-               '        kept = sorted_p / sorted_p.sum(-1, keepdim=True)\n'
-               '        mass_before = kept.cumsum(-1) - kept  # mass of the likelier tokens\n'
-               '        sorted_p = sorted_p.masked_fill((mass_before >= top_p[:, None]) & (rank > 0),'
-               ' 0.0)\n',
-               '    if top_p is not None:\n'
-               '        kept = sorted_p / sorted_p.sum(-1, keepdim=True)\n'
-               '        mass_before = kept.cumsum(-1) - kept  # mass of the likelier tokens\n'
-               '        sorted_p = sorted_p.masked_fill((mass_before >= top_p[:, None]) & (rank > 0),'
-               ' 0.0)\n'
-               '    if top_k is not None:\n'
-               '        sorted_p = sorted_p.masked_fill(rank >= top_k[:, None], 0.0)\n'),)),
+             ((_TOP_K + _TOP_P, _TOP_P + _TOP_K),)),
 ]
 
 
@@ -163,7 +172,7 @@ class Run:
     origins: dict  # minisgl module name -> file it was imported from
 
 
-def run_chapter(copy: pathlib.Path, chapter: str, extra: tuple = ()) -> Run:
+def run_chapter(copy: pathlib.Path, chapter: str) -> Run:
     """Run the copy's tests/test_chNN_*.py with -x, from the copy root, on the copy's minisgl."""
     test_files = sorted((copy / "tests").glob(f"test_ch{chapter}_*.py"))
     assert len(test_files) == 1, f"expected one tests/test_ch{chapter}_*.py, got {test_files}"
@@ -174,10 +183,10 @@ def run_chapter(copy: pathlib.Path, chapter: str, extra: tuple = ()) -> Run:
     env.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1", WRONG_MODULES_ORIGIN=str(origin))
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
            "-p", "_wrong_modules_origin", f"--junitxml={report}",
-           str(test_files[0].relative_to(copy)), *extra]
+           str(test_files[0].relative_to(copy))]
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
+        proc = subprocess.run(cmd, check=False, cwd=copy, env=env, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"chapter {chapter}'s tests did not finish within {RUN_TIMEOUT_S} s in the "
@@ -227,7 +236,19 @@ def test_unmutated_copy_passes_chapter_01(repo_files, tmp_path):
     assert_imported_from_copy(run, copy, "minisgl/core.py")
 
 
-@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.id for m in MUTATIONS])
+class NotCaught(AssertionError):
+    """The chapter's tests miss the bug or do not name the exercise (the only failure a known
+    gap's strict xfail accepts; a broken set-up fails for real)."""
+
+
+def _param(m: Mutation):
+    marks = [pytest.mark.xfail(strict=True, raises=NotCaught, reason=(
+        f"chapter {m.chapter}'s tests do not name Exercise {m.exercise} for this bug yet: "
+        f"{m.gap}. Remove `gap=` once they do."))] if m.gap else []
+    return pytest.param(m, id=m.id, marks=marks)
+
+
+@pytest.mark.parametrize("mutation", [_param(m) for m in MUTATIONS])
 def test_wrong_module_is_caught_and_named(mutation, repo_files, tmp_path):
     copy = make_copy(tmp_path / "repo", repo_files)
     apply(copy, mutation)
@@ -235,17 +256,19 @@ def test_wrong_module_is_caught_and_named(mutation, repo_files, tmp_path):
     first = run.failures[0] if run.failures else None
     print(f"chapter {mutation.chapter}, {mutation.bug}: exit {run.returncode} in "
           f"{run.seconds:.1f} s; first failure: {first}")
-    assert run.returncode != 0, (
-        f"chapter {mutation.chapter}'s tests PASS on a wrong Exercise {mutation.exercise} "
-        f"({mutation.bug}, in {mutation.module}): the chapter's tests must catch this bug.\n"
-        f"{run.output[-3000:]}")
     assert_imported_from_copy(run, copy, mutation.module)
+    if run.returncode == 0:
+        raise NotCaught(
+            f"chapter {mutation.chapter}'s tests PASS on a wrong Exercise {mutation.exercise} "
+            f"({mutation.bug}, in {mutation.module}): the chapter's tests must catch this bug.\n"
+            f"{run.output[-2000:]}")
     assert run.returncode == 1 and first is not None, (
         f"chapter {mutation.chapter}'s tests did not fail on a test (exit {run.returncode}, "
         f"failures {run.failures}): a usage or collection error?\n{run.output[-3000:]}")
-    test_id, kind, message = first
     assert len(run.failures) == 1, f"-x should stop at the first failure: {run.failures}"
-    assert f"Exercise {mutation.exercise}" in message, (
-        f"chapter {mutation.chapter}: with a wrong Exercise {mutation.exercise} ({mutation.bug}) "
-        f"the first failure, {test_id} ({kind}), does not name the exercise; the learner sees:\n"
-        f"{message[:2000]}")
+    test_id, kind, message = first
+    if f"Exercise {mutation.exercise}" not in message:
+        raise NotCaught(
+            f"chapter {mutation.chapter}: with a wrong Exercise {mutation.exercise} "
+            f"({mutation.bug}) the first failure, {test_id} ({kind}), does not name the "
+            f"exercise; the learner sees:\n{message[:2000]}")

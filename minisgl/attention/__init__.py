@@ -40,10 +40,14 @@ def _create_flashinfer_backend(config: ModelConfig) -> BaseAttnBackend:
     return FlashInferBackend(config)
 
 
-def resolve_attn_backend(name: str, device: torch.device) -> str:
-    """``"auto"`` -> ``"fi"`` on a GPU with FlashInfer installed, else ``"torch"``."""
+def resolve_attn_backend(name: str, device: torch.device,
+                         dtype: torch.dtype | None = None) -> str:
+    """``"auto"`` -> ``"fi"`` on a GPU with FlashInfer installed, unless ``dtype`` is not 16-bit
+    (FlashInfer's kernels take bfloat16 / float16 only); else ``"torch"``."""
     if name != "auto":
         return name
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        return "torch"
     return "fi" if device.type == "cuda" and flashinfer_available() else "torch"
 
 

@@ -14,11 +14,16 @@ decode, grouped-query attention, padding requests, any page size.
 ``scaled_dot_product_attention`` for the whole batch. Grouped-query attention is folded into the
 query rows: the ``G = Hq / Hkv`` query heads that share a KV head become ``G`` times more rows of
 that KV head, so K and V are never repeated.
+
+The CUDA-graph hooks at the end (the chapter's GPU section) give decode batches fixed shapes: a
+captured graph attends over the whole page-table width ``W`` for every request, masked at each
+``device_len``, so its cost grows with ``W`` (keep ``max_seq_len`` modest, or use FlashInfer).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -138,3 +143,42 @@ class TorchBackend(BaseAttnBackend):
         o = o.view(bp, hkv, g, qmax, d).permute(0, 3, 1, 2, 4).reshape(bp * qmax, hkv * g, d)
         return o.index_select(0, md.o_index)  # [T, Hq, D]
         # END SOLUTION
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+    # A graph replays fixed shapes and fixed addresses. Decode metadata has one shape that moves,
+    # L = max device_len; here L is pinned to W = max_seq_len (the page-table width) and every
+    # field lives in a buffer allocated once; prepare_for_replay copies the step's metadata in.
+    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
+        max_bs, dev, w = max(bs_list), self.page_table.device, max_seq_len
+        self._graph_width = w
+        self._g_kv_slots = torch.zeros(max_bs, w, dtype=torch.int64, device=dev)  # valid slots
+        self._g_mask = torch.zeros(max_bs, 1, 1, w, dtype=torch.bool, device=dev)
+        self._g_seq_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
+        self._g_out_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self._g_rows = torch.arange(max_bs + 1, dtype=torch.int64, device=dev)  # decode: cu = b
+        self._g_cols = torch.arange(w, device=dev)
+
+    def _refresh_graph_buffers(self, md: TorchAttnMetadata) -> None:
+        """Copy a decode batch's eager metadata into the static buffers (in place)."""
+        bs, L = md.seq_lens.shape[0], md.max_kv_len
+        if md.max_q_len != 1 or L > self._graph_width:
+            raise ValueError(f"a CUDA graph replays decode batches of at most "
+                             f"{self._graph_width} tokens per request; got max_q_len="
+                             f"{md.max_q_len}, L={L}")
+        self._g_kv_slots[:bs, :L].copy_(md.kv_slots.view(bs, L))  # columns past L: masked
+        self._g_seq_lens[:bs].copy_(md.seq_lens)
+        self._g_mask[:bs, 0, 0].copy_(self._g_cols[None, :] < md.seq_lens[:, None])
+        self._g_out_loc[:bs].copy_(md.out_loc)
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        self.prepare_metadata(batch)  # the (dummy) batch's metadata, copied into the buffers
+        self._refresh_graph_buffers(batch.attn_metadata)
+        bs = batch.padded_size
+        batch.attn_metadata = TorchAttnMetadata(
+            cu_seqlens_q=self._g_rows[: bs + 1], seq_lens=self._g_seq_lens[:bs],
+            out_loc=self._g_out_loc[:bs], kv_slots=self._g_kv_slots[:bs].view(-1),
+            max_kv_len=self._graph_width, max_q_len=1, q_index=None, o_index=None,
+            mask=self._g_mask[:bs], last_indices=self._g_rows[:bs])
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        self._refresh_graph_buffers(batch.attn_metadata)  # set by prepare_metadata(batch)

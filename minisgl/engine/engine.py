@@ -96,7 +96,8 @@ class Engine:
         # BEGIN SOLUTION 6.4: initialise every part, in dependency order
         self.device = _resolve_device(config.device, config.tp_info.rank)
         object.__setattr__(config, "attention_backend",  # "auto" -> a real name
-                           resolve_attn_backend(config.attention_backend, self.device))
+                           resolve_attn_backend(config.attention_backend, self.device,
+                                                config.dtype))
         self.config = config
         set_tp_info(config.tp_info.rank, config.tp_info.size)
         self._owns["tp_info"] = True
@@ -264,6 +265,8 @@ class Engine:
         if getattr(self, "ctx", None) is not None:
             self.ctx.kv_cache = self.ctx.attn_backend = self.ctx.page_table = None
         gc.collect()
+        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # so the next Engine's free-memory reading sees it again
 
     def shutdown(self) -> None:
         """Release the model, the KV pool and every global this Engine set."""

@@ -1,0 +1,614 @@
+"""Every chapter notebook, run the way a learner runs it: in JupyterLab, in a real browser.
+
+nbmake executes notebooks but renders nothing, so a widget that shows nothing in JupyterLab (a
+missing or mismatched `jupyterlab_widgets`), a figure that never displays or a kernel that cannot
+import `minisgl` passes every other test. This file starts `jupyter lab` from the project's
+environment on a temporary copy of the repository and drives headless Chromium (Debian's
+/usr/bin/chromium) with Playwright; one server and one browser serve every notebook in turn.
+
+- solutions/NN_*.ipynb: Run -> Run All Cells; every code cell must run without an error output,
+  every ipywidgets output must render as live widget views and redraw its picture when a slider
+  moves, and every figure must show as an image. A screenshot of the chapter's first picture is
+  saved to tests/screenshots/NN_slug.png (git-ignored).
+- notebooks/NN_*.ipynb (learner copies): in JupyterLab the `skip-execution` tag does nothing, so
+  their %%writefile cells write stubbed modules (into the temporary copy). Running all cells must
+  either succeed or stop first at an exercise stub: the first error a learner sees must be
+  `NotImplementedError: Exercise N.M: ...`. The copy's minisgl/ is restored from the checkout
+  before every notebook.
+
+Nothing in the checkout changes except tests/screenshots/. Needs Chromium at /usr/bin/chromium
+(`sudo apt-get install chromium chromium-driver`; `make setup` installs it when run as root) and
+the `playwright` package from the dev extra; otherwise the tests are skipped, saying so.
+MINISGL_BROWSER_NOTEBOOKS=01,04 limits the chapters; MINISGL_BROWSER_TIMEOUT (seconds, default
+240) is the limit for running one notebook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCREENSHOTS = ROOT / "tests" / "screenshots"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+NB_TIMEOUT = float(os.environ.get("MINISGL_BROWSER_TIMEOUT", "240"))
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+# What JupyterLab shows instead of a widget when its front end is missing or broken.
+WIDGET_FALLBACKS = ("Loading widget...", "Error displaying widget", "Failed to load model class",
+                    "Widget Javascript not detected")
+WIDGET_REPR = re.compile(r"^\s*(interactive|[A-Z]\w*(Slider|Box|Button|Dropdown|Output|Text|"
+                         r"Checkbox|Select\w*))\((children|value|description|options|layout)=")
+FIGURE_REPR = re.compile(r"^\s*<Figure size [\d.]+x[\d.]+ with \d+ Axes>\s*$")
+STUB = re.compile(r"^Exercise (\d+)\.(\d+): \S")
+
+pytestmark = pytest.mark.browser
+
+
+def _venv_bin(name: str) -> Path:
+    """The project's environment: .venv/ in the checkout, else the one running pytest."""
+    venv = ROOT / ".venv" / "bin" / name
+    return venv if venv.exists() else Path(sys.executable).parent / name
+
+
+VENV_PY, JUPYTER = _venv_bin("python"), _venv_bin("jupyter")
+
+
+def _why_not_runnable() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return ("the `playwright` package is missing: install the dev extra "
+                "(`.venv/bin/pip install -e '.[dev]'`, part of `make setup`)")
+    if not CHROMIUM.exists():
+        return ("Chromium is not installed at /usr/bin/chromium: to enable the browser test run "
+                "`sudo apt-get install chromium chromium-driver` (or `make setup` as root)")
+    if not JUPYTER.exists():
+        return f"no JupyterLab at {JUPYTER}: run `make setup`"
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return "the browser test copies the checkout with `git ls-files`; no git checkout here"
+    return None
+
+
+def _chapters() -> set[str] | None:
+    raw = os.environ.get("MINISGL_BROWSER_NOTEBOOKS", "").strip()
+    if not raw:
+        return None
+    return {f"{int(x):02d}" for x in re.split(r"[,\s]+", raw) if x}
+
+
+def _notebooks(folder: str) -> list[str]:
+    wanted = _chapters()
+    found = sorted(p.stem for p in (ROOT / folder).glob("[0-9][0-9]_*.ipynb"))
+    return [stem for stem in found if wanted is None or stem[:2] in wanted]
+
+
+# ---------------------------------------------------------------------------------------------
+# the temporary copy, the server, the browser
+
+
+def _checkout_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                         check=True, stdout=subprocess.PIPE).stdout.decode()
+    return sorted({f for f in out.split("\0") if f and (ROOT / f).is_file()})
+
+
+def restore_package(work: Path) -> None:
+    """Make the copy's minisgl/ the checkout's again (learner notebooks overwrite it with stubs)."""
+    shutil.rmtree(work / "minisgl", ignore_errors=True)
+    for rel in _checkout_files():
+        if rel.startswith("minisgl/"):
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, work / rel)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+class Lab:
+    """A JupyterLab server on a temporary copy of the repository."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.work = tmp / "repo"
+        self.port = _free_port()
+        self.token = secrets.token_hex(24)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.runtime = tmp / "runtime"
+        self.proc: subprocess.Popen | None = None
+        self.log = tmp / "jupyter.log"
+
+    def prepare(self) -> None:
+        for rel in _checkout_files():
+            (self.work / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, self.work / rel)
+        if (ROOT / "models").exists():
+            (self.work / "models").symlink_to(ROOT / "models")
+        # The kernel must be the project's environment: a `python3` kernelspec naming its python,
+        # first on JUPYTER_PATH, so no user- or system-wide spec can shadow it.
+        _write_json(self.tmp / "share/jupyter/kernels/python3/kernel.json", {
+            "argv": [str(VENV_PY), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "Python 3 (minisgl .venv)", "language": "python"})
+        settings = self.tmp / "settings"
+        for plugin, values in {
+            # start the notebook's kernel without the "Select Kernel" dialog; attach every cell
+            # to the DOM; no autosave; no news/update pop-ups (and no request to the internet)
+            "notebook-extension/tracker": {"autoStartDefaultKernel": True,
+                                           "windowingMode": "none"},
+            "docmanager-extension/plugin": {"autosave": False},
+            "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+        }.items():
+            _write_json(settings / f"@jupyterlab/{plugin}.jupyterlab-settings", values)
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("JUPYTER", "IPYTHON", "MPLBACKEND", "PYTEST"))}
+        env.update(JUPYTER_RUNTIME_DIR=str(self.runtime), JUPYTER_CONFIG_DIR=str(self.tmp / "config"),
+                   JUPYTER_DATA_DIR=str(self.tmp / "data"), JUPYTER_PATH=str(self.tmp / "share/jupyter"),
+                   IPYTHONDIR=str(self.tmp / "ipython"),
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONDONTWRITEBYTECODE="1")
+        return env
+
+    def start(self) -> None:
+        cmd = [str(JUPYTER), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
+               "--port-retries=0", f"--IdentityProvider.token={self.token}",
+               f"--ServerApp.root_dir={self.work}", f"--LabApp.user_settings_dir={self.tmp / 'settings'}",
+               f"--LabApp.workspaces_dir={self.tmp / 'workspaces'}",
+               "--LabApp.expose_app_in_browser=True", "--ServerApp.open_browser=False"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-root")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=self.work, env=self.env(), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                self.api("GET", "/api/status")
+                return
+            except (OSError, urllib.error.URLError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"jupyter lab did not answer in 120 s:\n{self.log_tail()}")
+                time.sleep(0.5)
+
+    def log_tail(self, n: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def api(self, method: str, path: str):
+        req = urllib.request.Request(f"{self.base}{path}", method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            body = resp.read()
+        return json.loads(body) if body else None
+
+    def shutdown_kernels(self) -> None:
+        """End every session (and its kernel) so the next notebook starts on a quiet machine."""
+        try:
+            for s in self.api("GET", "/api/sessions"):
+                self.api("DELETE", f"/api/sessions/{s['id']}")
+            for k in self.api("GET", "/api/kernels"):
+                self.api("DELETE", f"/api/kernels/{k['id']}")
+        except (OSError, urllib.error.URLError):
+            pass
+        self._kill_stray_kernels(signal.SIGTERM)
+
+    def _kill_stray_kernels(self, sig) -> None:
+        """Kernels run in their own process groups; end those still alive that this server started
+        (their command line names a connection file in this server's runtime dir)."""
+        marker = str(self.runtime).encode()
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(a.startswith(marker) for a in argv) and "ipykernel" in str(argv):
+                pid = int(proc.name)
+                try:
+                    if os.getpgid(pid) == pid:  # its own group: take its children with it
+                        os.killpg(pid, sig)
+                    else:
+                        os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.shutdown_kernels()
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        self._kill_stray_kernels(signal.SIGKILL)
+
+    def kernel_python(self) -> str:
+        spec = self.api("GET", "/api/kernelspecs")["kernelspecs"]["python3"]["spec"]
+        return spec["argv"][0]
+
+
+@pytest.fixture(scope="module")
+def lab(request):
+    reason = _why_not_runnable()
+    if reason:
+        pytest.skip(reason)
+    tmp = Path(tempfile.mkdtemp(prefix="minisgl-browser-"))
+    server = Lab(tmp)
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    request.addfinalizer(server.stop)
+    server.prepare()
+    server.start()
+    kernel_py = server.kernel_python()
+    assert Path(kernel_py).resolve() == VENV_PY.resolve(), (
+        f"JupyterLab's python3 kernel runs {kernel_py}, not the project's environment {VENV_PY}")
+    return server
+
+
+@pytest.fixture(scope="module")
+def browser(lab, request):
+    from playwright.sync_api import sync_playwright
+
+    pw = sync_playwright().start()
+    request.addfinalizer(pw.stop)
+    context = pw.chromium.launch_persistent_context(
+        str(lab.tmp / "chromium-profile"), executable_path=str(CHROMIUM), headless=True,
+        args=CHROMIUM_FLAGS, viewport={"width": 1400, "height": 1000})
+    request.addfinalizer(context.close)
+    # Log in once: the token sets the server's cookie for every later page.
+    page = context.new_page()
+    page.goto(f"{lab.base}/lab?token={lab.token}", timeout=120_000)
+    page.close()
+    return context
+
+
+# ---------------------------------------------------------------------------------------------
+# one notebook in the page
+
+# State of the open notebook, read from JupyterLab's own objects (the page exposes the app
+# through --LabApp.expose_app_in_browser) plus the DOM each output rendered to. JupyterLab 4
+# renders an error output exactly like stderr (a <div data-mime-type="application/vnd.jupyter.
+# stderr">, no distinguishing class), so which outputs are errors is read from the cell models.
+STATE_JS = r"""
+(path) => {
+  const app = window.jupyterapp;
+  if (!app) return null;
+  const panel = Array.from(app.shell.widgets('main')).find(w => w.context && w.context.path === path);
+  if (!panel || !panel.context.isReady) return null;
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  const dialogs = Array.from(document.querySelectorAll('.jp-Dialog')).map(d => d.innerText);
+  const cells = panel.content.widgets.map((cell, i) => {
+    const m = cell.model;
+    const src = m.sharedModel.getSource();
+    const info = {index: i, type: m.type, head: src.split('\n')[0].slice(0, 90), outputs: []};
+    if (m.type !== 'code') return info;
+    const prompt = cell.node.querySelector('.jp-InputArea-prompt');
+    info.count = m.executionCount;
+    info.prompt = prompt ? prompt.innerText.trim() : '';
+    const children = cell.outputArea ? cell.outputArea.widgets : [];
+    for (let k = 0; k < m.outputs.length; k++) {
+      const o = m.outputs.get(k), json = o.toJSON();
+      const node = children[k] ? children[k].node : null;
+      const rendered = node ? node.querySelector('.jp-OutputArea-output') : null;
+      info.outputs.push({
+        type: o.type, mimes: Object.keys(o.data || {}),
+        ename: json.ename || null, evalue: json.evalue || null,
+        domMime: rendered ? (rendered.dataset.mimeType || '') : null,
+        text: node ? node.innerText.slice(0, 400) : '',
+        tail: node ? node.innerText.slice(-800) : '',
+        widgets: node ? node.querySelectorAll('.jupyter-widgets').length : 0,
+        sliders: node ? node.querySelectorAll('.noUi-handle, input[type=range]').length : 0,
+        imgs: node ? Array.from(node.querySelectorAll('img')).map(im => ({
+          png: im.src.startsWith('data:image/png'), ok: im.complete && im.naturalWidth > 0})) : [],
+        svgs: node ? node.querySelectorAll('[data-mime-type="image/svg+xml"] svg').length : 0,
+      });
+    }
+    return info;
+  });
+  return {status: kernel ? kernel.status : 'no kernel', kernelName: kernel ? kernel.name : null,
+          dirty: panel.context.model.dirty, dialogs, cells};
+}
+"""
+
+# The rendered output `k` of cell `i` (a .jp-OutputArea-child), tagged so Playwright can find it.
+TAG_JS = r"""
+([path, i, k, tag]) => {
+  const panel = Array.from(window.jupyterapp.shell.widgets('main')).find(w => w.context && w.context.path === path);
+  const node = panel.content.widgets[i].outputArea.widgets[k].node;
+  node.setAttribute('data-browser-test', tag);
+  return true;
+}
+"""
+
+
+class Notebook:
+    def __init__(self, lab: Lab, context, rel: str):
+        self.lab, self.rel = lab, rel
+        self.page = context.new_page()
+        self.console: list[str] = []
+        self.page.on("console", lambda m: self.console.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.console.append(str(e)))
+        self.page.on("dialog", lambda d: d.accept())
+
+    def close(self) -> None:
+        try:
+            self.page.close()
+        finally:
+            self.lab.shutdown_kernels()
+
+    def state(self):
+        return self.page.evaluate(STATE_JS, self.rel)
+
+    def console_tail(self) -> str:
+        msgs = [m for m in self.console if "favicon" not in m][-6:]
+        return ("\nbrowser console errors:\n  " + "\n  ".join(m[:300] for m in msgs)) if msgs else ""
+
+    def open(self) -> dict:
+        ws = re.sub(r"\W", "-", self.rel)  # a fresh workspace per notebook: nothing else reopens
+        self.page.goto(f"{self.lab.base}/lab/workspaces/{ws}/tree/{self.rel}", timeout=120_000)
+        deadline = time.monotonic() + 120
+        while True:
+            st = self.state()
+            if st and st["dialogs"] and any("Select Kernel" in d for d in st["dialogs"]):
+                self.page.click(".jp-Dialog .jp-mod-accept")
+            elif st and st["status"] == "idle" and st["cells"]:
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{self.rel}: the notebook's kernel did not start within 120 s "
+                    f"(kernel status {st and st['status']!r}, dialogs {st and st['dialogs']});\n"
+                    f"server log:\n{self.lab.log_tail()}{self.console_tail()}")
+            time.sleep(0.5)
+
+    def run_all(self, timeout: float = NB_TIMEOUT) -> dict:
+        """Run -> Run All Cells, then wait until the kernel is idle and no cell is queued."""
+        self.page.get_by_role("menuitem", name="Run", exact=True).click()
+        self.page.click('li.lm-Menu-item[data-command="runmenu:run-all"]')
+        t0 = time.monotonic()
+        started, quiet = False, 0
+        while True:
+            time.sleep(1.0)
+            st = self.state()
+            code = [c for c in st["cells"] if c["type"] == "code"]
+            pending = any(c["prompt"].startswith("[*]") for c in code)
+            started = started or pending or any(c["count"] is not None for c in code)
+            if st["dialogs"]:
+                raise AssertionError(f"{self.rel}: JupyterLab shows a dialog while running: "
+                                     f"{st['dialogs'][0][:300]!r}{self.console_tail()}")
+            if started and not pending and st["status"] == "idle":
+                quiet += 1
+                loading = any("Loading widget" in o["text"] for c in code for o in c["outputs"])
+                if quiet >= 2 and (not loading or quiet >= 30):  # let widget views attach
+                    st["seconds"] = time.monotonic() - t0
+                    return st
+            else:
+                quiet = 0
+            if not started and time.monotonic() - t0 > 60:
+                raise AssertionError(f"{self.rel}: Run All Cells did not start any cell in 60 s "
+                                     f"(kernel {st['status']}){self.console_tail()}")
+            if st["status"] in ("dead", "unknown", "no kernel") and started:
+                raise AssertionError(f"{self.rel}: the kernel died while running "
+                                     f"(status {st['status']}){self.console_tail()}")
+            if time.monotonic() - t0 > timeout:
+                running = [c for c in code if c["prompt"].startswith("[*]")]
+                where = f"cell {running[0]['index'] + 1} ({running[0]['head']!r})" if running else "?"
+                raise AssertionError(f"{self.rel}: still running after {timeout:.0f} s, at {where} "
+                                     f"(set MINISGL_BROWSER_TIMEOUT to allow longer)")
+
+    def output(self, i: int, k: int):
+        tag = f"o{i}-{k}"
+        self.page.evaluate(TAG_JS, [self.rel, i, k, tag])
+        return self.page.locator(f'[data-browser-test="{tag}"]')
+
+
+def _code(path: Path) -> str:
+    """All code cells' source of a notebook file."""
+    cells = json.loads(path.read_text())["cells"]
+    return "\n".join("".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+                     for c in cells if c["cell_type"] == "code")
+
+
+def _where(rel: str, cell: dict) -> str:
+    return f"{rel}, cell {cell['index'] + 1} ({cell['head']!r})"
+
+
+def _first_error(st: dict):
+    for cell in st["cells"]:
+        for out in cell["outputs"]:
+            if out["type"] == "error":
+                return cell, out
+    return None, None
+
+
+def rendering_problems(nb: Notebook, st: dict) -> list[str]:
+    """What is missing from the page: widgets shown as text, figures that did not display."""
+    problems = []
+    for cell in st["cells"]:
+        for out in cell["outputs"]:
+            where = _where(nb.rel, cell)
+            text = out["text"].strip()
+            if WIDGET_MIME in out["mimes"]:
+                if out["domMime"] == "text/plain" or not out["widgets"]:
+                    problems.append(
+                        f"{where}: the widget did not render; the page shows its text fallback "
+                        f"{text[:120]!r} (rendered as {out['domMime']!r}) instead of live widget "
+                        "views: JupyterLab has no working ipywidgets front end "
+                        "(jupyterlab_widgets missing or not matching ipywidgets)")
+                    continue
+                bad = [f for f in WIDGET_FALLBACKS if f in text]
+                if bad:
+                    problems.append(f"{where}: the widget shows {bad[0]!r}: {text[:200]!r}")
+            elif out["type"] in ("display_data", "execute_result") and WIDGET_REPR.match(text):
+                problems.append(f"{where}: a widget shows as its text repr {text[:120]!r}")
+            if any(m in out["mimes"] for m in ("image/png", "image/jpeg")) and not any(
+                    im["ok"] for im in out["imgs"]):
+                problems.append(f"{where}: a figure output did not display as an image "
+                                f"(rendered as {out['domMime']!r}: {text[:120]!r})")
+            if "image/svg+xml" in out["mimes"] and not out["svgs"]:
+                problems.append(f"{where}: an SVG output did not display")
+            if out["type"] in ("display_data", "execute_result") and FIGURE_REPR.match(text) and \
+                    not out["imgs"]:
+                problems.append(f"{where}: a figure shows only as {text!r}: it was never drawn "
+                                "(inline backend not active?)")
+            if WIDGET_MIME in out["mimes"] and out["imgs"] and not all(im["ok"] for im in out["imgs"]):
+                problems.append(f"{where}: an image inside the widget did not load")
+    return problems
+
+
+IMG_SRCS_JS = "node => Array.from(node.querySelectorAll('img')).map(im => im.src)"
+
+
+def check_slider_redraws(nb: Notebook, cell: dict, k: int) -> str | None:
+    """Move the widget's first slider one step with the keyboard; the picture must change."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    out = nb.output(cell["index"], k)
+    before = out.evaluate(IMG_SRCS_JS)
+    if not before:
+        return f"{_where(nb.rel, cell)}: the widget draws no picture (no <img> in its output)"
+    handle = out.locator(".noUi-handle").first
+    if handle.count() == 0:
+        return None  # a widget without a slider: nothing to move
+    handle.scroll_into_view_if_needed()
+    now, top = handle.get_attribute("aria-valuenow"), handle.get_attribute("aria-valuemax")
+    key = "ArrowLeft" if now is not None and top is not None and float(now) >= float(top) else "ArrowRight"
+    handle.focus()
+    handle.press(key)
+    try:
+        nb.page.wait_for_function(
+            """([tag, before]) => {
+                 const node = document.querySelector(`[data-browser-test="${tag}"]`);
+                 const srcs = Array.from(node.querySelectorAll('img')).map(im => im.src);
+                 return srcs.length > 0 && JSON.stringify(srcs) !== JSON.stringify(before)
+                        && Array.from(node.querySelectorAll('img')).every(im => im.complete);
+               }""", arg=[f"o{cell['index']}-{k}", before], timeout=90_000, polling=500)
+    except PlaywrightTimeout:
+        after = handle.get_attribute("aria-valuenow")
+        return (f"{_where(nb.rel, cell)}: moving the slider ({key}: {now} -> {after}) did not "
+                f"change the picture within 90 s{nb.console_tail()}")
+    return None
+
+
+def _screenshot(nb: Notebook, cell: dict, k: int, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    out = nb.output(cell["index"], k)
+    out.scroll_into_view_if_needed()
+    out.screenshot(path=str(SCREENSHOTS / f"{name}.png"))
+
+
+@pytest.fixture
+def notebook(lab, browser):
+    opened = []
+
+    def open_(rel: str) -> Notebook:
+        restore_package(lab.work)
+        nb = Notebook(lab, browser, rel)
+        opened.append(nb)
+        return nb
+
+    yield open_
+    for nb in opened:
+        nb.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the tests
+
+
+@pytest.mark.parametrize("stem", _notebooks("solutions"))
+def test_solution_notebook_in_jupyterlab(notebook, stem):
+    rel = f"solutions/{stem}.ipynb"
+    nb = notebook(rel)
+    opened = nb.open()
+    assert opened["kernelName"] == "python3", f"{rel} started kernel {opened['kernelName']!r}"
+    st = nb.run_all()
+    print(f"{rel}: ran in {st['seconds']:.0f} s")
+
+    cell, err = _first_error(st)
+    assert err is None, (f"{_where(rel, cell)} raised {err['ename']}: {err['evalue']}\n"
+                         f"{err['tail']}")
+    code = [c for c in st["cells"] if c["type"] == "code"]
+    unrun = [c for c in code if c["count"] is None]
+    assert not unrun, f"{_where(rel, unrun[0])} never ran (no execution count)"
+
+    problems = rendering_problems(nb, st)
+    assert not problems, "\n".join(problems) + nb.console_tail()
+
+    widgets = [(c, k) for c in code for k, o in enumerate(c["outputs"]) if WIDGET_MIME in o["mimes"]]
+    images = [(c, k) for c in code for k, o in enumerate(c["outputs"])
+              if any(im["ok"] for im in o["imgs"]) or o["svgs"]]
+    sources = _code(ROOT / rel)
+    if "ipywidgets" in sources:
+        assert widgets, f"{rel} imports ipywidgets but no cell displayed a widget"
+    if "plt.show()" in sources or "matplotlib" in sources:
+        assert images, f"{rel} uses matplotlib but no figure appeared in the page"
+    pictures = sorted(widgets + images, key=lambda ck: (ck[0]["index"], ck[1]))
+    if pictures:
+        _screenshot(nb, *pictures[0], stem)
+
+    problems = [p for c, k in widgets if (p := check_slider_redraws(nb, c, k))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("stem", _notebooks("notebooks"))
+def test_learner_notebook_in_jupyterlab(notebook, stem):
+    rel = f"notebooks/{stem}.ipynb"
+    nb = notebook(rel)
+    opened = nb.open()
+    assert opened["kernelName"] == "python3", f"{rel} started kernel {opened['kernelName']!r}"
+    st = nb.run_all()
+    print(f"{rel}: ran in {st['seconds']:.0f} s")
+    code = [c for c in st["cells"] if c["type"] == "code"]
+    cell, err = _first_error(st)
+    if err is None:
+        unrun = [c for c in code if c["count"] is None]
+        assert not unrun, f"{_where(rel, unrun[0])} never ran, and no cell shows an error"
+    else:
+        shown = f"{err['ename']}: {err['evalue']}"
+        match = STUB.match(err["evalue"] or "")
+        assert err["ename"] == "NotImplementedError" and match, (
+            f"the first error a learner sees in {rel} is not an exercise stub: "
+            f"{_where(rel, cell)} raised {shown}\n{err['tail']}")
+        assert int(match.group(1)) == int(stem[:2]), (
+            f"{_where(rel, cell)}: the first error names another chapter's exercise: {shown}")
+        stub = f'raise NotImplementedError("{err["evalue"]}")'
+        assert stub in _code(ROOT / rel), (
+            f"{_where(rel, cell)} raised {shown}, which is not one of {rel}'s exercise stubs")
+        assert shown in err["tail"], (
+            f"{_where(rel, cell)}: the page does not show the message {shown!r}: {err['tail']!r}")
+        before = [c for c in code if c["index"] < cell["index"] and c["count"] is None]
+        assert not before, f"{_where(rel, before[0])} never ran before the first error"
+    problems = rendering_problems(nb, st)
+    assert not problems, "\n".join(problems) + nb.console_tail()
