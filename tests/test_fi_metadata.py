@@ -20,9 +20,9 @@ import sys
 import types
 
 import pytest
+import test_ch05_attention as ch05
 import torch
 
-import test_ch05_attention as ch05
 from minisgl.core import Batch, reset_global_ctx
 from minisgl.distributed import reset_tp_info
 
@@ -79,7 +79,8 @@ def test_pages_expand_to_the_torch_backends_slots(name, ps):
     bp = len(batch.padded_reqs)
     for field, t in (("qo_indptr", md.qo_indptr), ("kv_indptr", md.kv_indptr),
                      ("kv_indices", md.kv_indices), ("last_page_len", md.last_page_len)):
-        assert t.dtype == torch.int32, f"{field} must be int32 (FlashInfer's index type), got {t.dtype}"
+        assert t.dtype == torch.int32, \
+            f"{field} must be int32 (FlashInfer's index type), got {t.dtype}"
     assert md.qo_indptr.tolist() == tmd.cu_seqlens_q.tolist(), (
         f"{where}: qo_indptr {md.qo_indptr.tolist()} should equal the torch backend's "
         f"cu_seqlens_q {tmd.cu_seqlens_q.tolist()} (cumulative extend_len)")
@@ -137,8 +138,8 @@ def test_paged_reference_attention_matches_dense(name, ps):
     o = paged_attention_reference(q, env.pool.k_cache(0), env.pool.v_cache(0), md, ps)
     start = 0
     for r in reqs:
-        torch.testing.assert_close(o[start:start + r.extend_len], ch05.dense_reference(env, r, 0).float(),
-                                   atol=2e-5, rtol=1e-4,
+        want = ch05.dense_reference(env, r, 0).float()
+        torch.testing.assert_close(o[start:start + r.extend_len], want, atol=2e-5, rtol=1e-4,
                                    msg=lambda m: f"{name}, ps={ps}, {ch05.describe(r)}: {m}")
         start += r.extend_len
 

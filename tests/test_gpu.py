@@ -36,7 +36,6 @@ import pathlib
 
 import pytest
 import torch
-
 from helpers import ROOT
 
 DEVICE = os.environ.get("MINISGL_GPU_TEST_DEVICE", "cuda")

@@ -88,6 +88,14 @@ class TorchBackend(BaseAttnBackend):
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs if batch.padded_reqs is not None else batch.reqs
         device = self.page_table.device
+        rows_total, width = self.page_table.shape
+        for r in reqs:  # clear errors here: a bad row would surface as a raw IndexError below
+            if not 0 <= r.table_idx < rows_total:
+                raise IndexError(f"Req(uid={r.uid}).table_idx={r.table_idx} is outside the page "
+                                 f"table's rows 0..{rows_total - 1}.")
+            if r.device_len > width:
+                raise ValueError(f"Req(uid={r.uid}) has {r.device_len} tokens but page-table rows "
+                                 f"hold {width}: raise max_seq_len_override.")
         cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
         seq_lens = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
         extend = seq_lens - cached
