@@ -123,6 +123,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM (and stops its kernels) if pytest itself is killed."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _write_json(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))
@@ -181,10 +191,12 @@ class Lab:
                "--LabApp.expose_app_in_browser=True", "--ServerApp.open_browser=False"]
         if os.geteuid() == 0:
             cmd.append("--allow-root")
+        # preexec_fn is safe here: the server starts before Playwright starts any thread.
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=self.work, env=self.env(), stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         preexec_fn=_die_with_parent)  # noqa: PLW1509
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
@@ -265,6 +277,15 @@ def lab(request):
     reason = _why_not_runnable()
     if reason:
         pytest.skip(reason)
+    # `kill` (SIGTERM) of pytest: stop like Ctrl-C, so the finalizers below still run.
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if previous in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, interrupt)
+        request.addfinalizer(lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     tmp = Path(tempfile.mkdtemp(prefix="minisgl-browser-"))
     server = Lab(tmp)
     request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
@@ -495,12 +516,12 @@ def check_slider_redraws(nb: Notebook, cell: dict, k: int) -> str | None:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     out = nb.output(cell["index"], k)
-    before = out.evaluate(IMG_SRCS_JS)
-    if not before:
-        return f"{_where(nb.rel, cell)}: the widget draws no picture (no <img> in its output)"
     handle = out.locator(".noUi-handle").first
     if handle.count() == 0:
-        return None  # a widget without a slider: nothing to move
+        return None  # a widget without a slider (e.g. a progress bar): nothing to move
+    before = out.evaluate(IMG_SRCS_JS)
+    if not before:
+        return f"{_where(nb.rel, cell)}: the slider's widget draws no picture (no <img> in it)"
     handle.scroll_into_view_if_needed()
     now, top = handle.get_attribute("aria-valuenow"), handle.get_attribute("aria-valuemax")
     key = "ArrowLeft" if now is not None and top is not None and float(now) >= float(top) else "ArrowRight"
@@ -568,15 +589,14 @@ def test_solution_notebook_in_jupyterlab(notebook, stem):
 
     widgets = [(c, k) for c in code for k, o in enumerate(c["outputs"]) if WIDGET_MIME in o["mimes"]]
     images = [(c, k) for c in code for k, o in enumerate(c["outputs"])
-              if any(im["ok"] for im in o["imgs"]) or o["svgs"]]
+              if any(im["ok"] for im in o["imgs"]) or o["svgs"]]  # figures, and widgets drawing one
     sources = _code(ROOT / rel)
     if "ipywidgets" in sources:
         assert widgets, f"{rel} imports ipywidgets but no cell displayed a widget"
     if "plt.show()" in sources or "matplotlib" in sources:
         assert images, f"{rel} uses matplotlib but no figure appeared in the page"
-    pictures = sorted(widgets + images, key=lambda ck: (ck[0]["index"], ck[1]))
-    if pictures:
-        _screenshot(nb, *pictures[0], stem)
+    if images:
+        _screenshot(nb, *images[0], stem)
 
     problems = [p for c, k in widgets if (p := check_slider_redraws(nb, c, k))]
     assert not problems, "\n".join(problems)

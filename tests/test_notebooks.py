@@ -27,9 +27,14 @@ def _run_twice(path):
                             resources={"metadata": {"path": str(path.parent)}})
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", MPLBACKEND="agg")
+    n_cells = len(nb.cells)
     with client.setup_kernel(env=env):
         for run in (1, 2):
-            for index, cell in enumerate(nb.cells):
+            if run == 2:  # the test cell ran for real in run 1; pytest runs the tests anyway
+                nb.cells.append(nbformat.v4.new_code_cell(
+                    "import os; os.environ['MINISGL_SKIP_CHAPTER_TESTS'] = '1'"))
+                client.execute_cell(nb.cells[-1], len(nb.cells) - 1)
+            for index, cell in enumerate(nb.cells[:n_cells]):
                 if cell.cell_type != "code":
                     continue
                 try:

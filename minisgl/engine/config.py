@@ -72,7 +72,9 @@ class EngineConfig:
 
     @property
     def distributed_addr(self) -> str:
-        return "tcp://127.0.0.1:2333"
+        """Where the tp ranks meet (rank 0 listens there): ``$MINISGL_DIST_ADDR`` when set (the
+        launcher sets it to a free port), else a fixed local port."""
+        return os.environ.get("MINISGL_DIST_ADDR", "tcp://127.0.0.1:2333")
 
     def validate(self) -> None:
         """Raise a clear error for any field that cannot work (touches no global state)."""

@@ -80,12 +80,14 @@ class Engine:
         config.validate()  # nothing global has been touched yet
         live = _live_engine()
         if live is not None and not live._closed:
-            print("Engine: shutting down the Engine that was still live (one per process).")
+            if config.tp_info.is_primary():  # with tp > 1, only rank 0 prints
+                print("Engine: shutting down the Engine that was still live (one per process).")
             live.shutdown()
         self._closed = False
         self._prev_threads = torch.get_num_threads()
-        self._owns = {"tp_info": False, "ctx": False}
+        self._owns = {"tp_info": False, "ctx": False, "dist": False}
         try:
+            self.tp_cpu_group = self._init_communication(config)  # None when tp=1
             self._init(config)
         except BaseException:
             self._release()
@@ -109,7 +111,6 @@ class Engine:
         self.ctx = Context(page_size=config.page_size)
         set_global_ctx(self.ctx)
         self._owns["ctx"] = True
-        self.tp_cpu_group = None  # tp=1: no process group
         free_before_model = available_memory(self.device)
 
         model_config = config.model_config
@@ -140,6 +141,33 @@ class Engine:
                                         self.dummy_req)
         # END SOLUTION
 
+    def _init_communication(self, config: EngineConfig):
+        """tp > 1: join the process group of the ``size`` ranks (one Engine per process).
+
+        Every rank calls this with the same address; rank 0 listens there and the call returns
+        once all ``size`` ranks have joined (or raises after ``distributed_timeout`` seconds).
+        Returns the group that carries CPU tensors (gloo), or None when tp=1.
+        """
+        if config.tp_info.size == 1:
+            return None
+        import datetime
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process: an "
+                               "Engine with tp > 1 creates its own process group; call "
+                               "torch.distributed.destroy_process_group() first.")
+        device = _resolve_device(config.device, config.tp_info.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=config.distributed_addr,
+                                rank=config.tp_info.rank, world_size=config.tp_info.size,
+                                timeout=datetime.timedelta(seconds=config.distributed_timeout))
+        self._owns["dist"] = True
+        return dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+
     def _load_weight_state_dict(self, config: EngineConfig) -> dict:
         if config.use_dummy_weight:
             return {k: torch.randn(v.shape, dtype=v.dtype, device=self.device) * 0.02
@@ -160,6 +188,8 @@ class Engine:
                     f"{available_memory(self.device) / _GiB:.2f} GiB is available: use fewer "
                     "pages (or a smaller page_size).")
             return num_pages
+        if self.device.type == "cpu":  # tp ranks on one machine share its memory
+            free_before_model //= config.tp_info.size
         budget = config.memory_ratio * free_before_model - model_bytes
         # never more slots than max_running_req requests of max_seq_len tokens can use
         useful = -(-config.max_running_req * config.max_seq_len // config.page_size)
@@ -170,6 +200,12 @@ class Engine:
                 f"{free_before_model / _GiB:.2f} GiB was available, the weights take "
                 f"{model_bytes / _GiB:.2f} GiB and one page needs {cache_per_page} bytes. Raise "
                 "memory_ratio, or set num_page_override to a number of pages that fits.")
+        if self.tp_cpu_group is not None:  # every rank must hold the same number of pages
+            import torch.distributed as dist
+
+            pages = torch.tensor([num_pages], dtype=torch.int64)
+            dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=self.tp_cpu_group)
+            num_pages = int(pages.item())
         return num_pages
 
     # ------------------------------------------------------------------ one step
@@ -258,6 +294,12 @@ class Engine:
         if self._owns.get("tp_info"):
             reset_tp_info()
         destroy_distributed()
+        if self._owns.get("dist"):  # the process group this Engine created (tp > 1)
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._owns["dist"] = False
         torch.set_num_threads(self._prev_threads)
         for name in ("model", "kv_cache", "page_table", "attn_backend", "graph_runner",
                      "sampler", "dummy_req"):
