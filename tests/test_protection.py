@@ -41,3 +41,18 @@ def test_make_test_stops_before_touching_anything_when_you_have_local_work(tmp_p
     assert edited in out and "git stash" in out, out[-2000:]
     assert not (repo / ".venv").exists(), "make test started setting up before refusing"
     assert (repo / edited).read_text().endswith(("# my own line\n", " ")), "the work was touched"
+
+
+def test_status_without_nbformat_uses_the_manifest(tmp_path):
+    """Before set-up (no nbformat yet) `make test` still recognises the learner's work."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import workbook
+
+    repo = _copy_checkout(tmp_path / "repo")
+    assert workbook._status_from_manifest(repo) == ([], []), "a clean checkout shows no work"
+    with open(repo / "minisgl" / "core.py", "a") as f:
+        f.write("# mine\n")
+    (repo / "notebooks" / "_scratch.ipynb").write_text("{}")  # ignored: starts with _
+    (repo / "minisgl" / "extra.py").write_text("# my own module\n")
+    work, _ = workbook._status_from_manifest(repo)
+    assert work == ["minisgl/core.py", "minisgl/extra.py"], work
