@@ -34,6 +34,7 @@ from benchmarks.measure import (  # noqa: E402
 )
 
 BATCHES = (1, 2, 4, 8, 16)
+LOAD_BEFORE = os.getloadavg()[0]
 
 
 def run(model_path: Path, rounds: int, steps: int) -> str:
@@ -76,7 +77,8 @@ def run(model_path: Path, rounds: int, steps: int) -> str:
         f"Model `{model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path}`"
         f", float32, {threads} threads, {platform.processor() or platform.machine()}, torch "
         f"{torch.__version__}; {datetime.date.today()}; medians of {rounds} interleaved rounds "
-        f"x {steps} steps.",
+        f"x {steps} steps; load average before the run {LOAD_BEFORE:.1f} (anything above ~0.5 "
+        "means other processes shared the 2 cores and disturbed the numbers).",
         "",
         f"Weights {wbytes / 1e6:.0f} MB (tied embeddings once); read bandwidth "
         f"{bw / 1e9:.1f} GB/s -> roofline {roof * 1e3:.1f} ms per decode step.",

@@ -108,13 +108,6 @@ def _checkout_files() -> list[str]:
     return sorted({f for f in out.split("\0") if f and (ROOT / f).is_file()})
 
 
-def restore_package(work: Path) -> None:
-    """Make the copy's minisgl/ the checkout's again (learner notebooks overwrite it with stubs)."""
-    shutil.rmtree(work / "minisgl", ignore_errors=True)
-    for rel in _checkout_files():
-        if rel.startswith("minisgl/"):
-            (work / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, work / rel)
 
 
 def _free_port() -> int:
@@ -150,11 +143,13 @@ class Lab:
         self.runtime = tmp / "runtime"
         self.proc: subprocess.Popen | None = None
         self.log = tmp / "jupyter.log"
+        self.reference = tmp / "minisgl-reference"  # the checkout's minisgl/, as copied
 
     def prepare(self) -> None:
         for rel in _checkout_files():
             (self.work / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, self.work / rel)
+        shutil.copytree(self.work / "minisgl", self.reference)
         if (ROOT / "models").exists():
             (self.work / "models").symlink_to(ROOT / "models")
         # The kernel must be the project's environment: a `python3` kernelspec naming its python,
@@ -233,36 +228,29 @@ class Lab:
             pass
         self._kill_stray_kernels(signal.SIGTERM)
 
-    def kernel_commands(self) -> list[list[str]]:
-        """Command lines of the live kernels this server started."""
-        marker, found = str(self.runtime), []
+    def kernels(self) -> dict[int, list[str]]:
+        """pid -> command line of each live kernel this server started (it names a connection
+        file in this server's runtime dir)."""
+        marker, found = str(self.runtime), {}
         for proc in Path("/proc").glob("[0-9]*"):
             try:
                 argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if any(a.startswith(marker) for a in argv) and "ipykernel_launcher" in argv:
-                found.append(argv)
+            if "ipykernel_launcher" in argv and any(a.startswith(marker) for a in argv):
+                found[int(proc.name)] = argv
         return found
 
     def _kill_stray_kernels(self, sig) -> None:
-        """Kernels run in their own process groups; end those still alive that this server started
-        (their command line names a connection file in this server's runtime dir)."""
-        marker = str(self.runtime).encode()
-        for proc in Path("/proc").glob("[0-9]*"):
+        """Kernels run in their own process groups (with the chapter tests they started)."""
+        for pid in self.kernels():
             try:
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(a.startswith(marker) for a in argv) and "ipykernel" in str(argv):
-                pid = int(proc.name)
-                try:
-                    if os.getpgid(pid) == pid:  # its own group: take its children with it
-                        os.killpg(pid, sig)
-                    else:
-                        os.kill(pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, sig)
+                else:
+                    os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def stop(self) -> None:
         if self.proc is None:
@@ -284,6 +272,13 @@ class Lab:
         return spec["argv"][0]
 
 
+def restore_package(lab: Lab) -> None:
+    """Make the copy's minisgl/ the checkout's again (learner notebooks overwrite it with stubs),
+    from the snapshot taken when the copy was made."""
+    shutil.rmtree(lab.work / "minisgl", ignore_errors=True)
+    shutil.copytree(lab.reference, lab.work / "minisgl")
+
+
 @pytest.fixture(scope="module")
 def lab(request):
     reason = _why_not_runnable()
@@ -291,9 +286,12 @@ def lab(request):
         pytest.skip(reason)
     # `kill` (SIGTERM) of pytest: stop like Ctrl-C, so the finalizers below still run.
     previous = signal.getsignal(signal.SIGTERM)
+    stopping = []
 
     def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        if not stopping:  # once only, and never in the middle of the clean-up below
+            stopping.append(signum)
+            raise KeyboardInterrupt(f"signal {signum}")
 
     if previous in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, interrupt)
@@ -302,6 +300,7 @@ def lab(request):
     server = Lab(tmp)
     request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
     request.addfinalizer(server.stop)
+    request.addfinalizer(lambda: stopping.append("teardown"))  # runs first
     server.prepare()
     server.start()
     kernel_py = server.kernel_python()
@@ -417,8 +416,8 @@ class Notebook:
             if st and st["dialogs"] and any("Select Kernel" in d for d in st["dialogs"]):
                 self.page.click(".jp-Dialog .jp-mod-accept")
             elif st and st["status"] == "idle" and st["cells"]:
-                pythons = {argv[0] for argv in self.lab.kernel_commands()}
-                assert pythons == {str(VENV_PY)}, (
+                pythons = {argv[0] for argv in self.lab.kernels().values()}
+                assert pythons == {str(VENV_PY)} or not Path("/proc/self").exists(), (
                     f"{self.rel}: the kernel runs {sorted(pythons)}, not the project's {VENV_PY}")
                 return st
             if time.monotonic() > deadline:
@@ -569,7 +568,7 @@ def notebook(lab, browser):
     opened = []
 
     def open_(rel: str) -> Notebook:
-        restore_package(lab.work)
+        restore_package(lab)
         nb = Notebook(lab, browser, rel)
         opened.append(nb)
         return nb
@@ -645,5 +644,6 @@ def test_learner_notebook_in_jupyterlab(notebook, stem):
             f"{_where(rel, cell)}: the page does not show the message {shown!r}: {err['tail']!r}")
         before = [c for c in code if c["index"] < cell["index"] and c["count"] is None]
         assert not before, f"{_where(rel, before[0])} never ran before the first error"
+        print(f"stops first at {_where(rel, cell)}: {shown}")
     problems = rendering_problems(nb, st)
     assert not problems, "\n".join(problems) + nb.console_tail()
