@@ -64,3 +64,21 @@ def test_package_never_imports_gpu_only_modules_at_import_time():
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if re.match(r"^(import|from)\s+flashinfer", line):
                 raise AssertionError(f"{path}:{i} imports flashinfer at module level")
+
+
+def test_default_model_loads_with_plain_transformers_and_knows_paris():
+    """The prepared SmolLM2 folder is a plain safetensors checkpoint: `from_pretrained` with no
+    GGUF, quantization config or remote code, and greedy decoding continues the classic prompt
+    with " Paris." (what tools/prepare_models.py promises after converting the GGUF)."""
+    import json
+
+    from helpers import SMOL, hf_greedy, model_path, tokenizer
+
+    path = model_path(SMOL)
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config, "the converted model kept its GGUF quantization"
+    assert not list(path.glob("*.gguf")), "the model folder still holds the GGUF file"
+    tok = tokenizer(SMOL)
+    ids = tok("The capital of France is")["input_ids"]
+    text = tok.decode(hf_greedy(SMOL, ids, 3))
+    assert text.startswith(" Paris."), f"greedy continuation was {text!r}, expected ' Paris.'"
