@@ -521,6 +521,30 @@ def test_lm_head_decode_keeps_every_row():
         "Exercise 2.5 (LM head): in decode every row (padding included) is kept\n" + m))
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_lm_head_batch_path_uses_a_fresh_onednn_copy():
+    """On a CPU with oneDNN the LM head keeps a packed copy for batches of rows; its logits equal
+    F.linear's, and a weight changed in place or replaced after loading is never served from the
+    stale copy."""
+    V, H = 1000, 64
+    w = randn(V, H, seed=57)
+    head = loaded(build(0, 1, lambda: ParallelLMHead(V, H)), {"weight": w})
+    assert head._packed is not None and head.packed_bytes == V * H * 4, (
+        "float32 on a CPU with oneDNN: load_state_dict should keep a packed copy")
+    for rows in (1, 4, 16):
+        x = randn(rows, H, seed=58 + rows)
+        with active(make_batch([1] * rows, "decode")):
+            torch.testing.assert_close(head.forward(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    x = randn(4, H, seed=70)
+    w.mul_(2)  # in place: the copy is stale
+    with active(make_batch([1] * 4, "decode")):
+        torch.testing.assert_close(head.forward(x), F.linear(x, w), msg=lambda m: (
+            "after an in-place change of the weight the LM head must not use its old copy\n" + m))
+    head.weight = randn(V, H, seed=71)  # replaced: also stale
+    with active(make_batch([1] * 4, "decode")):
+        torch.testing.assert_close(head.forward(x), F.linear(x, head.weight))
+
+
 def test_lm_head_tied_uses_embedding_weight():
     V, H = 40, 8
 

@@ -178,6 +178,8 @@ class Engine:
         cache_per_page = config.kv_cache_bytes_per_page
         model_bytes = sum(t.numel() * t.element_size()
                           for t in {id(t): t for t in self.model.state_dict().values()}.values())
+        # plus the LM head's oneDNN copy for batches (chapter 02), not a state-dict tensor
+        model_bytes += getattr(getattr(self.model, "lm_head", None), "packed_bytes", 0)
         if config.num_page_override is not None:
             num_pages = config.num_page_override
             need = (num_pages + 1) * cache_per_page

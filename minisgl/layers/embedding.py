@@ -17,6 +17,7 @@ from minisgl.distributed import DistributedCommunicator, get_tp_info
 from minisgl.utils import div_ceil
 
 from .base import BaseOP, StateDict
+from .linear import onednn_linear, onednn_pack
 
 
 class VocabParallelEmbedding(BaseOP):
@@ -59,12 +60,22 @@ class ParallelLMHead(BaseOP):
             self.weight = torch.empty(self.num_embeddings_tp, embedding_dim)
         self.bias = torch.empty(self.num_embeddings_tp) if bias else None
         self._comm = DistributedCommunicator()
+        self._packed = None  # (weight it was made from, its version, oneDNN copy): see forward
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the extra oneDNN copy of the weight (0 without one)."""
+        return 0 if self._packed is None else self._packed[0].numel() * 4
 
     def load_state_dict(self, state_dict: StateDict, *, prefix: str = "",
                         _internal: bool = False) -> None:
         if self.tie_word_embeddings:  # the embedding's weight is used; a checkpoint copy is dropped
             state_dict.pop(f"{prefix}.weight" if prefix else "weight", None)
         super().load_state_dict(state_dict, prefix=prefix, _internal=_internal)
+        weight = self._tied_embedding.weight if self.tie_word_embeddings else self.weight
+        # the version counter tells when the weight changed in place (inference tensors have none)
+        packed = None if weight.is_inference() else onednn_pack(weight)
+        self._packed = None if packed is None else (weight, weight._version, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> logits ``[B, V]`` in prefill (last token of each real request) or
@@ -75,7 +86,12 @@ class ParallelLMHead(BaseOP):
             x = x[batch.attn_metadata.get_last_indices(batch.size)]
         # END SOLUTION
         weight = self._tied_embedding.weight if self.tie_word_embeddings else self.weight
-        logits = F.linear(x, weight, self.bias)  # [rows, V / tp]
+        packed = self._packed
+        if (x.shape[0] > 1 and packed is not None and packed[0] is weight
+                and packed[1] == weight._version):  # a batch, and the copy is of this weight
+            logits = onednn_linear(x, packed[2], self.bias)  # [rows, V / tp]
+        else:  # one row (a matrix-vector product, already fast), CUDA, or no copy
+            logits = F.linear(x, weight, self.bias)
         if self.tp_size > 1:
             rows = logits.shape[0]
             gathered = self._comm.all_gather(logits)  # [tp * rows, V / tp], rank-major
