@@ -13,7 +13,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from benchmarks.measure import (  # noqa: E402
     median_ms,
     read_bandwidth,
     step0_decode_times,
+    update_readme,
     weight_bytes,
 )
 
@@ -107,18 +107,6 @@ def run(model_path: Path, rounds: int, steps: int) -> str:
     return "\n".join(lines)
 
 
-def update_readme(table: str) -> None:
-    readme = ROOT / "benchmarks" / "README.md"
-    text = readme.read_text() if readme.exists() else ""
-    block = f"<!-- BENCH_DECODE:BEGIN -->\n{table}\n<!-- BENCH_DECODE:END -->"
-    if "<!-- BENCH_DECODE:BEGIN -->" in text:
-        text = re.sub(r"<!-- BENCH_DECODE:BEGIN -->.*?<!-- BENCH_DECODE:END -->", lambda _: block,
-                      text, flags=re.S)
-    else:
-        text += f"\n## Decode step (`bench_decode.py`)\n\n{block}\n"
-    readme.write_text(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,7 +119,7 @@ def main() -> None:
     table = run(Path(args.model).resolve(), args.rounds, args.steps)
     print(table)
     if not args.no_readme:
-        update_readme(table)
+        update_readme("BENCH_DECODE", "Decode step (`bench_decode.py`)", table)
 
 
 if __name__ == "__main__":

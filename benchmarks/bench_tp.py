@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.measure import ROOT, median_ms  # noqa: E402
+from benchmarks.measure import median_ms, update_readme  # noqa: E402
 
 BATCH = 4
 CONFIG = {  # a Llama-architecture config; only the shapes matter (the weights are random)
@@ -145,18 +144,6 @@ def run(rounds: int, steps: int) -> str:
     return "\n".join(lines)
 
 
-def update_readme(table: str) -> None:
-    readme = ROOT / "benchmarks" / "README.md"
-    text = readme.read_text() if readme.exists() else ""
-    block = f"<!-- BENCH_TP:BEGIN -->\n{table}\n<!-- BENCH_TP:END -->"
-    if "<!-- BENCH_TP:BEGIN -->" in text:
-        text = re.sub(r"<!-- BENCH_TP:BEGIN -->.*?<!-- BENCH_TP:END -->", lambda _: block, text,
-                      flags=re.S)
-    else:
-        text += (f"\n## Tensor parallelism on the CPU (`bench_tp.py`)\n\n{block}\n")
-    readme.write_text(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -168,7 +155,7 @@ def main() -> None:
     table = run(args.rounds, args.steps)
     print(table)
     if not args.no_readme:
-        update_readme(table)
+        update_readme("BENCH_TP", "Tensor parallelism on the CPU (`bench_tp.py`)", table)
 
 
 if __name__ == "__main__":

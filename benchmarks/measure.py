@@ -1,4 +1,6 @@
-"""Measurements shared by the benchmarks and the milestone notebook (DESIGN §7 definitions).
+"""Measurements shared by the benchmarks and the milestone notebook.
+
+Definitions (the same as benchmarks/README.md states):
 
 - decode step: wall time of one whole step on a decode batch — filling the batch's fields,
   ``prepare_metadata``, ``sampler.prepare`` and ``forward_batch`` (which samples) — median over
@@ -58,6 +60,22 @@ def weight_bytes(model_path: str | Path) -> int:
                 shape = h.get_slice("lm_head.weight").get_shape()
                 total += shape[0] * shape[1] * 4
     return total
+
+
+def update_readme(marker: str, title: str, table: str) -> None:
+    """Put ``table`` between the ``<!-- MARKER:BEGIN -->`` / ``END`` comments of
+    benchmarks/README.md (a new section headed ``title`` when the markers are not there yet)."""
+    import re
+
+    readme = ROOT / "benchmarks" / "README.md"
+    text = readme.read_text() if readme.exists() else ""
+    begin, end = f"<!-- {marker}:BEGIN -->", f"<!-- {marker}:END -->"
+    block = f"{begin}\n{table}\n{end}"
+    if begin in text:
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text += f"\n## {title}\n\n{block}\n"
+    readme.write_text(text)
 
 
 # ----------------------------------------------------------------------------- minisgl

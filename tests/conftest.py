@@ -78,3 +78,20 @@ def _no_network():
     socket.socket.connect = _guarded_connect(original)
     yield
     socket.socket.connect = original
+
+
+@pytest.fixture
+def clean_globals():
+    """minisgl's process-wide state reset before and after a test: the global Context, the tp
+    info and the communicator's plugin stack (modules using it: ``pytestmark =
+    pytest.mark.usefixtures("clean_globals")``)."""
+    from minisgl.core import reset_global_ctx
+    from minisgl.distributed import DistributedCommunicator, reset_tp_info
+
+    reset_tp_info()
+    reset_global_ctx()
+    plugins = DistributedCommunicator.plugins
+    yield
+    reset_tp_info()
+    reset_global_ctx()
+    DistributedCommunicator.plugins = plugins

@@ -53,15 +53,7 @@ def _earlier_chapters():
     require("01")
 
 
-@pytest.fixture(autouse=True)
-def _clean_globals():
-    reset_tp_info()
-    reset_global_ctx()
-    plugins = DistributedCommunicator.plugins
-    yield
-    reset_tp_info()
-    reset_global_ctx()
-    DistributedCommunicator.plugins = plugins
+pytestmark = pytest.mark.usefixtures("clean_globals")  # tests/conftest.py
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -32,13 +32,7 @@ def _earlier_chapters():
     require("01", "04")
 
 
-@pytest.fixture(autouse=True)
-def _clean_globals():
-    reset_global_ctx()
-    reset_tp_info()
-    yield
-    reset_global_ctx()
-    reset_tp_info()
+pytestmark = pytest.mark.usefixtures("clean_globals")  # tests/conftest.py
 
 
 def hf_fields(hq: int, hkv: int, d: int) -> dict:

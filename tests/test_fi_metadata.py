@@ -38,13 +38,7 @@ def _earlier_chapters():
     require("01", "04", "05")
 
 
-@pytest.fixture(autouse=True)
-def _clean_globals():
-    reset_global_ctx()
-    reset_tp_info()
-    yield
-    reset_global_ctx()
-    reset_tp_info()
+pytestmark = pytest.mark.usefixtures("clean_globals")  # tests/conftest.py
 
 
 def torch_view(env, batch):

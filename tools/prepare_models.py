@@ -41,7 +41,7 @@ STAMP = ".prepared"
 # Bump a recipe's version to make every machine rebuild that model on its next run.
 SMOL_RECIPE = {"version": 1, "source": WHEEL_REQ, "sha256": WHEEL_SHA256}
 
-# name -> (architecture, config overrides). Between them they cover (DESIGN.md §5):
+# name -> (architecture, config overrides). Between them they cover:
 # Llama / Qwen2 (q/k/v bias) / Qwen3 (q/k norm); tied and untied embeddings; query heads
 # divisible by 4; a single KV head; head_dim 16 and 32; head_dim != hidden / heads;
 # llama3 rope scaling.
