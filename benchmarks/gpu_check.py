@@ -53,6 +53,8 @@ PROMPT_IDS = [[504, 3575, 282, 4649, 314], [6106, 1296, 9552, 2966, 42],
               [1604, 3987, 46477, 24, 94, 727], [6403, 1980, 253, 655, 28]]
 MAX_LEN = 256  # page-table entries per request
 
+from benchmarks.measure import run_step  # noqa: E402  (the working tree is on sys.path above)
+
 
 def make_standin(out: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -108,23 +110,6 @@ def build_engine(model: Path, device: str, dtype, max_bs: int, graphs: bool):
         num_page_override=max_bs * MAX_LEN))
 
 
-def step(engine, reqs, phase: str) -> None:
-    """The milestone's step: fields filled on the CPU, metadata, forward + sample, write back."""
-    from minisgl.core import Batch
-
-    batch = Batch(reqs=reqs, phase=phase)
-    engine.graph_runner.pad_batch(batch)
-    pr = batch.padded_reqs
-    batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in pr]).int()
-    batch.input_ids = torch.cat([r.input_ids[r.cached_len: r.device_len] for r in pr])
-    batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len: r.device_len]
-                               for r in pr])
-    engine.attn_backend.prepare_metadata(batch)
-    out = engine.forward_batch(batch, engine.sampler.prepare(batch))
-    for i, r in enumerate(reqs):
-        r.append_host(out.next_tokens_cpu[i: i + 1])
-
-
 def minisgl_step_times(engine, batch_size: int, steps: int, warmup: int) -> list[float]:
     from minisgl.core import Req, SamplingParams
 
@@ -134,11 +119,11 @@ def minisgl_step_times(engine, batch_size: int, steps: int, warmup: int) -> list
         ids = torch.tensor(PROMPT_IDS[row % len(PROMPT_IDS)], dtype=torch.int32)
         reqs.append(Req(input_ids=ids, table_idx=row, cached_len=0, output_len=steps + warmup + 1,
                         uid=row, sampling_params=SamplingParams(ignore_eos=True)))
-    step(engine, reqs, "prefill")
+    run_step(engine, reqs, "prefill")
     times = []
     for i in range(steps + warmup):
         t0 = time.perf_counter()
-        step(engine, reqs, "decode")  # forward_batch returns with the tokens on the CPU: synced
+        run_step(engine, reqs, "decode")  # forward_batch returns with the tokens on the CPU: synced
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times

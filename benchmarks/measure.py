@@ -79,6 +79,26 @@ def update_readme(marker: str, title: str, table: str) -> None:
 
 
 # ----------------------------------------------------------------------------- minisgl
+def run_step(engine, reqs, phase: str) -> List[int]:
+    """The milestone's step(): the batch's fields filled on the CPU (padding requests included,
+    when CUDA graphs pad the batch), metadata, forward + sample, each token appended to its
+    request. Returns the real requests' next tokens."""
+    from minisgl.core import Batch
+
+    batch = Batch(reqs=reqs, phase=phase)
+    engine.graph_runner.pad_batch(batch)
+    pr = batch.padded_reqs
+    batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in pr]).int()
+    batch.input_ids = torch.cat([r.input_ids[r.cached_len: r.device_len] for r in pr])
+    batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len: r.device_len]
+                               for r in pr])
+    engine.attn_backend.prepare_metadata(batch)
+    out = engine.forward_batch(batch, engine.sampler.prepare(batch))
+    for i, r in enumerate(reqs):
+        r.append_host(out.next_tokens_cpu[i: i + 1])
+    return out.next_tokens_cpu.tolist()
+
+
 class MinisglRunner:
     """Drive an Engine by hand, exactly as the milestone's step() does."""
 
@@ -98,20 +118,7 @@ class MinisglRunner:
         return reqs
 
     def step(self, reqs, phase: str) -> List[int]:
-        from minisgl.core import Batch
-
-        engine = self.engine
-        batch = Batch(reqs=reqs, phase=phase)
-        engine.graph_runner.pad_batch(batch)
-        batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs]).int()
-        batch.input_ids = torch.cat([r.input_ids[r.cached_len: r.device_len] for r in reqs])
-        batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len: r.device_len]
-                                   for r in reqs])
-        engine.attn_backend.prepare_metadata(batch)
-        out = engine.forward_batch(batch, engine.sampler.prepare(batch))
-        for i, r in enumerate(reqs):
-            r.append_host(out.next_tokens_cpu[i: i + 1])
-        return out.next_tokens_cpu.tolist()
+        return run_step(self.engine, reqs, phase)
 
     def decode_times(self, batch_size: int, steps: int = 32, warmup: int = 4) -> List[float]:
         """Per-step seconds of ``steps`` decode steps of ``batch_size`` requests."""

@@ -532,6 +532,7 @@ def test_lm_head_batch_path_uses_a_fresh_onednn_copy():
     with active(make_batch([1] * 4, "decode")):
         torch.testing.assert_close(head.forward(x), F.linear(x, w), msg=lambda m: (
             "after an in-place change of the weight the LM head must not use its old copy\n" + m))
+    assert head.packed_bytes == 0, "a stale copy must be dropped, not kept alive"
     head.weight = randn(V, H, seed=71)  # replaced: also stale
     with active(make_batch([1] * 4, "decode")):
         torch.testing.assert_close(head.forward(x), F.linear(x, head.weight))

@@ -403,6 +403,32 @@ def test_engine_layout():
     assert engine.max_seq_len == min(cfg.max_seq_len, engine.num_pages * ps)
 
 
+def test_kv_pool_budget_counts_the_weights_and_the_lm_head_copy(monkeypatch):
+    """With no num_page_override the pool gets memory_ratio of the free memory minus everything
+    the model holds: each distinct state-dict tensor once, plus the LM head's oneDNN copy."""
+    import minisgl.engine.engine as engine_module
+
+    free = 256 << 20
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: free)
+    _shutdown_live()
+    engine = Engine(make_config("tiny-llama", num_page_override=None, memory_ratio=0.5,
+                                max_seq_len_override=1 << 20))
+    try:
+        weights = sum(t.numel() * t.element_size() for t in
+                      {id(t): t for t in engine.model.state_dict().values()}.values())
+        packed = engine.model.lm_head.packed_bytes
+        if torch.backends.mkldnn.is_available():
+            assert packed == engine.model.lm_head.weight.numel() * 4, (
+                "tiny-llama's untied float32 LM head should hold a oneDNN copy on this CPU")
+        per_page = engine.config.kv_cache_bytes_per_page
+        want = int((0.5 * free - weights - packed) // per_page)
+        assert engine.num_pages == want, (
+            f"the KV pool has {engine.num_pages} pages; 0.5 x {free} bytes free minus {weights} "
+            f"bytes of weights and {packed} of the LM head's copy leaves room for {want}")
+    finally:
+        engine.shutdown()
+
+
 def test_padding_with_the_dummy_request_changes_nothing(monkeypatch):
     """Pretend a decode graph exists for batch size 4 (as on a GPU): decode batches of 3 are then
     padded with the dummy request and run eagerly; the real requests' tokens must not change."""

@@ -114,18 +114,17 @@ def generate(engine, prompts, n=N):
 
 
 def forward_logits(engine, batch):
-    """``Engine.forward_batch`` without the sampling: the logits of the real requests (float32),
-    through the CUDA graph when the GraphRunner can use one."""
-    for name in ("input_ids", "positions", "out_loc"):
-        setattr(batch, name, getattr(batch, name).to(engine.device))
-    with torch.no_grad(), engine.ctx.forward_batch(batch):
-        if engine.graph_runner.can_use_cuda_graph(batch):
-            logits = engine.graph_runner.replay(batch)
-        else:
-            logits = engine.model.forward()
-    for r in batch.reqs:
-        r.complete_one()
-    return logits[: batch.size].float().cpu()
+    """The real requests' logits (float32, on the CPU) of one ``Engine.forward_batch``, taken
+    where it hands them to the sampler (through the CUDA graph when one is used)."""
+    seen = []
+    sample = engine.sampler.sample
+    engine.sampler.sample = lambda logits, args: (seen.append(logits.float().cpu()),
+                                                  sample(logits, args))[1]
+    try:
+        engine.forward_batch(batch, engine.sampler.prepare(batch))
+    finally:
+        del engine.sampler.sample  # the instance attribute: the class's method is back
+    return seen[0]
 
 
 def teacher_forced(engine, seqs, n=N, first_chunk=None):

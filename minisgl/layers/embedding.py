@@ -65,7 +65,9 @@ class ParallelLMHead(BaseOP):
     @property
     def packed_bytes(self) -> int:
         """Bytes of the extra oneDNN copy of the weight (0 without one)."""
-        return 0 if self._packed is None else self._packed[0].numel() * 4
+        if self._packed is None:
+            return 0
+        return self._packed[0].numel() * self._packed[0].element_size()
 
     def load_state_dict(self, state_dict: StateDict, *, prefix: str = "",
                         _internal: bool = False) -> None:
@@ -87,8 +89,9 @@ class ParallelLMHead(BaseOP):
         # END SOLUTION
         weight = self._tied_embedding.weight if self.tie_word_embeddings else self.weight
         packed = self._packed
-        if (x.shape[0] > 1 and packed is not None and packed[0] is weight
-                and packed[1] == weight._version):  # a batch, and the copy is of this weight
+        if packed is not None and (packed[0] is not weight or packed[1] != weight._version):
+            packed = self._packed = None  # the weight was replaced or changed: drop the old copy
+        if x.shape[0] > 1 and packed is not None:  # a batch of rows: the oneDNN copy
             logits = onednn_linear(x, packed[2], self.bias)  # [rows, V / tp]
         else:  # one row (a matrix-vector product, already fast), CUDA, or no copy
             logits = F.linear(x, weight, self.bias)
