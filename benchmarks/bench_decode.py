@@ -34,13 +34,14 @@ from benchmarks.measure import (  # noqa: E402
 )
 
 BATCHES = (1, 2, 4, 8, 16)
+TORCH_OPS_BATCHES = (1, 4)  # also measured with the kernels switched off
 LOAD_BEFORE = os.getloadavg()[0]
 
 
 def run(model_path: Path, rounds: int, steps: int) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from minisgl import step0
+    from minisgl import kernel, step0
     from minisgl.distributed import DistributedInfo
     from minisgl.engine import Engine, EngineConfig
 
@@ -58,11 +59,24 @@ def run(model_path: Path, rounds: int, steps: int) -> str:
     wbytes = weight_bytes(model_path)
     roof = wbytes / bw
 
+    kernels = kernel.enabled()  # the Engine's default: chapter 07's fused C++ kernels
+
+    def torch_ops(b: int):  # the same Engine with every layer on its torch code
+        kernel.set_enabled(False)
+        try:
+            return runner.decode_times(b, steps)
+        finally:
+            kernel.set_enabled(kernels)
+
     jobs = [lambda b=b: runner.decode_times(b, steps) for b in BATCHES]
+    jobs += [lambda b=b: torch_ops(b) for b in TORCH_OPS_BATCHES if kernels]
     jobs += [lambda: hf_decode_times(hf, tok, prompt, steps),
              lambda: step0_decode_times(model_path, tok, prompt, steps, model=s0)]
     samples = interleave(rounds, *jobs)
     ms = {f"minisgl b{b}": median_ms(s) for b, s in zip(BATCHES, samples)}
+    if kernels:
+        ms.update({f"torch ops b{b}": median_ms(s)
+                   for b, s in zip(TORCH_OPS_BATCHES, samples[len(BATCHES):])})
     hf_ms, s0_ms = median_ms(samples[-2]), median_ms(samples[-1])
     hf_gen = hf_generate_tokens_per_s(hf, tok, PROMPTS, n=16)
     engine.shutdown()
@@ -73,10 +87,14 @@ def run(model_path: Path, rounds: int, steps: int) -> str:
         ("step 0 (naive skeleton)", s0_ms, 1, None),
         ("HF transformers, per token with its cache", hf_ms, 1, None),
     ] + [(f"minisgl, batch {b}", ms[f"minisgl b{b}"], b, None) for b in BATCHES]
+    rows += [(f"minisgl, batch {b}, torch ops (`cpu_kernels=False`)", ms[f"torch ops b{b}"], b,
+              None) for b in TORCH_OPS_BATCHES if kernels]
     lines = [
         f"Model `{model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path}`"
         f", float32, {threads} threads, {platform.processor() or platform.machine()}, torch "
-        f"{torch.__version__}; {datetime.date.today()}; medians of {rounds} interleaved rounds "
+        f"{torch.__version__}; fused C++ kernels "
+        f"{'on' if kernels else 'unavailable: ' + str(kernel.unavailable_reason())}; "
+        f"{datetime.date.today()}; medians of {rounds} interleaved rounds "
         f"x {steps} steps; load average before the run {LOAD_BEFORE:.1f} (anything above ~0.5 "
         "means other processes shared the 2 cores and disturbed the numbers).",
         "",
@@ -104,6 +122,10 @@ def run(model_path: Path, rounds: int, steps: int) -> str:
         f"- batch-4 step vs single step: {b4 / one:.2f}x (stretch <= 1.3x; the chapter text "
         "reports 1.63x)",
     ]
+    if kernels:
+        lines.append("- the fused kernels against the torch ops, same Engine: " + ", ".join(
+            f"batch {b} {ms[f'torch ops b{b}'] / ms[f'minisgl b{b}']:.2f}x faster"
+            for b in TORCH_OPS_BATCHES))
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import SMOL, TINY_MODELS, hf_greedy, hf_model, model_path, tokenizer
 
-from minisgl import core
+from minisgl import core, kernel
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.distributed import DistributedInfo, try_get_tp_info
 from minisgl.engine import BatchSamplingArgs, Engine, EngineConfig, GraphRunner, Sampler
@@ -549,12 +549,17 @@ def test_a_request_alone_equals_it_inside_the_batch():
 
 
 # ----------------------------------------------------------------------------- tiny checkpoints
+@pytest.mark.parametrize("ops", ["kernels", "torch"])
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_teacher_forced_logits_match_hf(name, monkeypatch):
+def test_teacher_forced_logits_match_hf(name, ops, monkeypatch):
     """Two sequences of 12 tokens: prefill 5 and 8 tokens, then decode steps that feed the known
     next token; every step's logits equal HF's full-sequence logits at that position within
-    atol = rtol = 1e-4 (float32 throughout; the observed differences are <= 5e-6)."""
-    engine = engine_for(name)
+    atol = rtol = 1e-4 (float32 throughout; the observed differences are <= 5e-6). Run with the
+    Engine's default (chapter 07's fused C++ kernels on the CPU, where they build) and with
+    ``cpu_kernels=False`` (every layer's torch code)."""
+    engine = engine_for(name, **({} if ops == "kernels" else {"cpu_kernels": False}))
+    if ops == "torch":
+        assert not kernel.enabled(), "cpu_kernels=False must leave the fused kernels off"
     seqs = [fixed_ids(12, seed=10), fixed_ids(12, seed=11)]
     with torch.no_grad():
         ref = [hf_model(name)(s[None].long()).logits[0].float() for s in seqs]

@@ -231,6 +231,10 @@ def case_page_size_zero(tmp_path, engine):
     _engine(page_size=0)
 
 
+def case_cpu_kernels_not_float32(tmp_path, engine):
+    _engine(cpu_kernels=True, dtype=torch.bfloat16)
+
+
 def case_context_page_size_zero(tmp_path, engine):
     from minisgl.core import Context
 

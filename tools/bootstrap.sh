@@ -38,4 +38,12 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ ! -x /usr/bin/c
     echo "setup: warning: could not install chromium with apt; tests/test_browser.py will be skipped" >&2
   fi
 fi
+# minisgl.kernel compiles a few C++ functions on first use; without a compiler every layer runs
+# its (slower) torch code. Install g++ where we may, as for chromium.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
+  echo "[setup] installing g++ with apt (for minisgl.kernel's C++ kernels)"
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; }; then
+    echo "setup: warning: could not install g++; the Engine will run the torch code (slower)" >&2
+  fi
+fi
 echo "[setup] done"

@@ -44,6 +44,7 @@ class EngineConfig:
     # CPU-build additions:
     device: str = "auto"  # "auto": CUDA when available, else CPU
     num_threads: int | None = None  # None: every CPU core this process may use
+    cpu_kernels: bool | None = None  # chapter 07's fused C++ kernels; None: on for CPU float32
 
     @functools.cached_property
     def hf_config(self):
@@ -87,6 +88,9 @@ class EngineConfig:
                             "torch.float32 (CPU) or torch.bfloat16 / torch.float16 (GPU).")
         if self.max_running_req < 1:
             raise ValueError(f"max_running_req={self.max_running_req}: need at least 1.")
+        if self.cpu_kernels and self.dtype != torch.float32:
+            raise ValueError(f"cpu_kernels=True with dtype={self.dtype}: the C++ kernels are "
+                             "float32 only; use dtype=torch.float32, or cpu_kernels=None.")
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size={self.page_size!r}: a page holds at least one token; use "
                              "1, or a power of two such as 4 or 16.")

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from minisgl import kernel
 from minisgl.attention import create_attention_backend, resolve_attn_backend
 from minisgl.core import Batch, Context, Req, reset_global_ctx, set_global_ctx
 from minisgl.distributed import destroy_distributed, reset_tp_info, set_tp_info
@@ -85,10 +86,11 @@ class Engine:
             live.shutdown()
         self._closed = False
         self._prev_threads = torch.get_num_threads()
-        self._owns = {"tp_info": False, "ctx": False, "dist": False}
+        self._owns = {"tp_info": False, "ctx": False, "dist": False, "kernels": False}
         try:
             self.tp_cpu_group = self._init_communication(config)  # None when tp=1
             self._init(config)
+            self._owns["kernels"] = self._enable_kernels(config)
         except BaseException:
             self._release()
             raise
@@ -140,6 +142,17 @@ class Engine:
                                         self.page_table.shape[1], model_config.vocab_size,
                                         self.dummy_req)
         # END SOLUTION
+
+    def _enable_kernels(self, config: EngineConfig) -> bool:
+        """Switch on chapter 07's fused C++ kernels (CPU, float32; ``cpu_kernels=False`` keeps
+        every layer on its torch code). Returns whether they are on."""
+        want = config.cpu_kernels
+        if want is None:
+            want = self.device.type == "cpu" and self.dtype == torch.float32
+        elif want and self.device.type != "cpu":
+            raise ValueError(f"cpu_kernels=True on device {self.device}: the kernels are CPU "
+                             "code; leave cpu_kernels=None on a GPU.")
+        return kernel.set_enabled(want)
 
     def _init_communication(self, config: EngineConfig):
         """tp > 1: join the process group of the ``size`` ranks (one Engine per process).
@@ -295,6 +308,9 @@ class Engine:
             reset_global_ctx()
         if self._owns.get("tp_info"):
             reset_tp_info()
+        if self._owns.get("kernels"):
+            kernel.set_enabled(False)
+            self._owns["kernels"] = False
         destroy_distributed()
         if self._owns.get("dist"):  # the process group this Engine created (tp > 1)
             import torch.distributed as dist

@@ -12,6 +12,8 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
+from minisgl import kernel
+
 from .base import BaseOP
 
 
@@ -52,6 +54,8 @@ class RMSNormFused(BaseOP):
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if kernel.applies(x):  # an Engine switched on chapter 07's fused C++ kernel
+            return kernel.fused_add_rmsnorm(x, residual, self.weight, self.eps)
         # BEGIN SOLUTION 2.7: the first call starts the residual stream; later calls add into it
         if residual is None:
             return rms_norm(x, self.weight, self.eps), x

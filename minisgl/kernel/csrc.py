@@ -1,0 +1,233 @@
+# Chapter 07 (07_stage1_milestone.ipynb): the C++ source of the fused CPU kernels.
+"""C++ for ``minisgl.kernel``: each function does in one pass what the torch ops do in several.
+
+A decode step on a small model is dominated, after the matmuls, by *small* ops: an RMSNorm is
+about nine tensor operations (add, pow, mean, rsqrt, mul, ...), each paying the dispatcher, an
+output allocation and a trip through memory. Here each is one loop over the data. Every function
+checks its inputs (float32, CPU, rows contiguous in the last dim, consistent shapes, slots inside
+the pool) and raises a clear ``RuntimeError`` instead of touching memory it does not own.
+Rows are spread over threads with ``at::parallel_for`` only when there are enough of them
+(prefill); a decode batch runs on the calling thread.
+"""
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D [rows, features], got ", t.dim(), "-D");
+  TORCH_CHECK(t.stride(1) == 1, name, " must be contiguous along its last dim");
+}
+
+const int64_t* index_ptr(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt64 && t.dim() == 1 &&
+              t.is_contiguous(), name, " must be a contiguous 1-D int64 CPU tensor");
+  return t.data_ptr<int64_t>();
+}
+
+// sum(a[i] * b[i]) with 16 partial sums, so the compiler can keep them in vector registers
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = 0;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y = w * (x / sqrt(mean(x^2) + eps)), the order Hugging Face multiplies in
+inline void norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
+  const float r = 1.0f / std::sqrt(dot(x, x, n) / (float)n + eps);
+  for (int64_t k = 0; k < n; ++k) y[k] = w[k] * (x[k] * r);
+}
+
+void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 1 &&
+              w.is_contiguous() && w.size(0) == x.size(1),
+              "weight must be a contiguous float32 CPU vector of ", x.size(1), " values");
+}
+
+constexpr int64_t kRowGrain = 64;  // rows per thread before parallel_for splits the work
+
+}  // namespace
+
+torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  check_weight(x, weight);
+  const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0);
+  auto y = torch::empty({T, H}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) norm_row(xp + t * xs, wp, yp + t * H, H, (float)eps);
+  });
+  return y;
+}
+
+torch::Tensor fused_add_rmsnorm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  check_weight(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes(), "residual ", residual.sizes(),
+              " and x ", x.sizes(), " must have the same shape");
+  const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  auto y = torch::empty({T, H}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      float* r = rp + t * rs;
+      const float* a = xp + t * xs;
+      for (int64_t k = 0; k < H; ++k) r[k] += a[k];
+      norm_row(r, wp, yp + t * H, H, (float)eps);
+    }
+  });
+  return y;
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x's last dim (", x.size(1), ") must be even: [gate | up]");
+  const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  auto y = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* g = xp + t * xs;
+      const float* u = g + I;
+      float* o = yp + t * I;
+      for (int64_t k = 0; k < I; ++k) o[k] = g[k] / (1.0f + std::exp(-g[k])) * u[k];
+    }
+  });
+  return y;
+}
+
+void rope_inplace(torch::Tensor positions, torch::Tensor x, torch::Tensor cos_sin,
+                  int64_t head_size) {
+  check_rows(x, "x");
+  check_rows(cos_sin, "cos_sin_cache");
+  TORCH_CHECK(cos_sin.is_contiguous() && cos_sin.size(1) == head_size,
+              "cos_sin_cache must be contiguous [max_position, head_size=", head_size, "]");
+  TORCH_CHECK(head_size % 2 == 0 && x.size(1) % head_size == 0, "x's last dim (", x.size(1),
+              ") must be a multiple of the (even) head_size ", head_size);
+  auto pos = positions.to(torch::kInt64).contiguous();
+  const int64_t* pp = index_ptr(pos, "positions");
+  const int64_t T = x.size(0), H = x.size(1) / head_size, half = head_size / 2;
+  TORCH_CHECK(pos.size(0) == T, "positions has ", pos.size(0), " entries, x has ", T, " rows");
+  const int64_t P = cos_sin.size(0), xs = x.stride(0);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "position ", pp[t], " is outside the rope table (",
+                P, " positions): raise max_position");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos_sin.data_ptr<float>();
+  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* c = cp + pp[t] * head_size;
+      const float* s = c + half;
+      for (int64_t h = 0; h < H; ++h) {
+        float* v = xp + t * xs + h * head_size;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = v[i], x2 = v[i + half];
+          v[i] = x1 * c[i] - x2 * s[i];
+          v[i + half] = x2 * c[i] + x1 * s[i];
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor store_and_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                         torch::Tensor k_cache, torch::Tensor v_cache,
+                                         torch::Tensor out_loc, torch::Tensor kv_slots,
+                                         torch::Tensor seq_lens, int64_t max_kv_len,
+                                         int64_t head_dim) {
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_rows(v, "v");
+  check_rows(k_cache, "k_cache");
+  check_rows(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be contiguous "
+              "[slots, Hkv * head_dim] views of the same shape");
+  const int64_t B = q.size(0), D = head_dim, row = k.size(1), S = k_cache.size(0);
+  TORCH_CHECK(D > 0 && row % D == 0 && q.size(1) % row == 0 && v.size(1) == row &&
+              k_cache.size(1) == row, "q [B, Hq*D], k and v [B, Hkv*D] and the caches "
+              "[slots, Hkv*D] must agree with head_dim ", D, " and Hq a multiple of Hkv");
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B, "q, k and v must have the same rows");
+  const int64_t Hkv = row / D, Hq = q.size(1) / D, G = Hq / Hkv, L = max_kv_len;
+  const int64_t* ol = index_ptr(out_loc, "out_loc");
+  const int64_t* slots = index_ptr(kv_slots, "kv_slots");
+  const int64_t* lens = index_ptr(seq_lens, "seq_lens");
+  TORCH_CHECK(out_loc.size(0) == B && seq_lens.size(0) == B && kv_slots.size(0) == B * L,
+              "decode metadata must have one out_loc and seq_len per request and B * L "
+              "kv_slots (B=", B, ", L=", L, ")");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ol[b] >= 0 && ol[b] < S, "out_loc ", ol[b], " is outside the pool (", S,
+                " slots)");
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= L, "seq_len ", lens[b], " must be in 1..", L);
+    for (int64_t j = 0; j < lens[b]; ++j)
+      TORCH_CHECK(slots[b * L + j] >= 0 && slots[b * L + j] < S, "kv slot ", slots[b * L + j],
+                  " is outside the pool (", S, " slots)");
+  }
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {  // store first: each request attends to its own new token
+    std::memcpy(kc + ol[b] * row, k.data_ptr<float>() + b * k.stride(0), row * sizeof(float));
+    std::memcpy(vc + ol[b] * row, v.data_ptr<float>() + b * v.stride(0), row * sizeof(float));
+  }
+  auto o = torch::empty({B, Hq * D}, q.options());
+  const float scale = 1.0f / std::sqrt((float)D);
+  const float* qp = q.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  const int64_t qs = q.stride(0);
+  // one task per (request, KV head): its G query heads read each key and value row once
+  at::parallel_for(0, B * Hkv, 4, [&](int64_t lo, int64_t hi) {
+    std::vector<float> p(G * L);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t b = task / Hkv, hk = task % Hkv, n = lens[b];
+      const int64_t* sl = slots + b * L;
+      const float* qh = qp + b * qs + hk * G * D;  // the G query heads of KV head hk
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kj = kc + sl[j] * row + hk * D;
+        for (int64_t g = 0; g < G; ++g) p[g * L + j] = dot(qh + g * D, kj, D) * scale;
+      }
+      for (int64_t g = 0; g < G; ++g) {  // softmax over the request's keys
+        float* pg = p.data() + g * L;
+        float m = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, pg[j]);
+        for (int64_t j = 0; j < n; ++j) sum += (pg[j] = std::exp(pg[j] - m));
+        for (int64_t j = 0; j < n; ++j) pg[j] /= sum;
+      }
+      float* oh = op + b * Hq * D + hk * G * D;
+      std::fill(oh, oh + G * D, 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vj = vc + sl[j] * row + hk * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = p[g * L + j];
+          float* og = oh + g * D;
+          for (int64_t d = 0; d < D; ++d) og[d] += w * vj[d];
+        }
+      }
+    }
+  });
+  return o;
+}
+"""
+
+FUNCTIONS = ["rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rope_inplace",
+             "store_and_decode_attention"]
