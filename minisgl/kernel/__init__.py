@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -47,13 +48,24 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "minisgl" / "kernels"
 
 
+def _cpu_id() -> str:
+    """The CPU's model and instruction sets: a cache built with -march=native on another CPU
+    (a shared home directory) must not be loaded here."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.platform() + platform.processor()
+
+
 def _build(flags) -> ModuleType:
     from torch.utils.cpp_extension import load_inline
 
     bindir = str(Path(sys.executable).parent)  # where pip put `ninja`, even in an unactivated venv
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    key = hashlib.sha256("\0".join([SOURCE, torch.__version__, sys.version, *flags])
+    key = hashlib.sha256("\0".join([SOURCE, torch.__version__, sys.version, _cpu_id(), *flags])
                          .encode()).hexdigest()[:16]
     build_dir = cache_dir() / key
     build_dir.mkdir(parents=True, exist_ok=True)
