@@ -96,7 +96,8 @@ def load() -> ModuleType | None:
             _MODULE = _build(flags)
             return _MODULE
         except Exception as e:  # no compiler, no ninja, a compile error: the torch ops remain
-            errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}")
+            last = (str(e).strip().splitlines() or [""])[-1]
+            errors.append(f"{type(e).__name__}: {last[:200]}")
     _FAILED = errors[-1]
     print(f"minisgl.kernel: the C++ kernels could not be built ({_FAILED}); the layers run their "
           "torch code (slower). The kernels need a C++ compiler (g++ or clang) and `pip install "
