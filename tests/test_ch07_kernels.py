@@ -145,8 +145,12 @@ def test_bad_input_gets_a_clear_error(kernels_on):
         m.rmsnorm(x, torch.ones(9), 1e-6)
     with pytest.raises(RuntimeError, match="contiguous along its last dim"):
         m.silu_and_mul(torch.randn(8, 2).t())
-    with pytest.raises(RuntimeError, match="outside the rope table"):
-        m.rope_inplace(torch.tensor([5, 99]), torch.randn(2, 8), torch.randn(10, 8), 8)
+    for dtype in (torch.int64, torch.int32):  # the batch's positions are int32
+        with pytest.raises(RuntimeError, match="position 99 is outside the rope table"):
+            m.rope_inplace(torch.tensor([5, 99], dtype=dtype), torch.randn(2, 8),
+                           torch.randn(10, 8), 8)
+    with pytest.raises(RuntimeError, match="int32 or int64"):
+        m.rope_inplace(torch.tensor([5.0, 9.0]), torch.randn(2, 8), torch.randn(10, 8), 8)
     k_cache = torch.zeros(16, 8)
     q, k, v = torch.randn(1, 16), torch.randn(1, 8), torch.randn(1, 8)
     one = torch.tensor([1])

@@ -125,19 +125,26 @@ void rope_inplace(torch::Tensor positions, torch::Tensor x, torch::Tensor cos_si
               "cos_sin_cache must be contiguous [max_position, head_size=", head_size, "]");
   TORCH_CHECK(head_size % 2 == 0 && x.size(1) % head_size == 0, "x's last dim (", x.size(1),
               ") must be a multiple of the (even) head_size ", head_size);
-  auto pos = positions.to(torch::kInt64).contiguous();
-  const int64_t* pp = index_ptr(pos, "positions");
+  // the batch's positions are int32: read them as they are (no copy per layer)
+  auto pos = positions.contiguous();
+  TORCH_CHECK(pos.device().is_cpu() && pos.dim() == 1 &&
+              (pos.scalar_type() == torch::kInt32 || pos.scalar_type() == torch::kInt64),
+              "positions must be a 1-D int32 or int64 CPU tensor");
+  const bool wide = pos.scalar_type() == torch::kInt64;
+  const int32_t* p32 = wide ? nullptr : pos.data_ptr<int32_t>();
+  const int64_t* p64 = wide ? pos.data_ptr<int64_t>() : nullptr;
+  auto position = [&](int64_t t) -> int64_t { return wide ? p64[t] : p32[t]; };
   const int64_t T = x.size(0), H = x.size(1) / head_size, half = head_size / 2;
   TORCH_CHECK(pos.size(0) == T, "positions has ", pos.size(0), " entries, x has ", T, " rows");
   const int64_t P = cos_sin.size(0), xs = x.stride(0);
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "position ", pp[t], " is outside the rope table (",
-                P, " positions): raise max_position");
+    TORCH_CHECK(position(t) >= 0 && position(t) < P, "position ", position(t),
+                " is outside the rope table (", P, " positions): raise max_position");
   float* xp = x.data_ptr<float>();
   const float* cp = cos_sin.data_ptr<float>();
   at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
-      const float* c = cp + pp[t] * head_size;
+      const float* c = cp + position(t) * head_size;
       const float* s = c + half;
       for (int64_t h = 0; h < H; ++h) {
         float* v = xp + t * xs + h * head_size;
