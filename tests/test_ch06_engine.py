@@ -403,21 +403,26 @@ def test_engine_layout():
     assert engine.max_seq_len == min(cfg.max_seq_len, engine.num_pages * ps)
 
 
-def test_kv_pool_budget_counts_the_weights_and_the_lm_head_copy(monkeypatch):
+@pytest.mark.parametrize("cpu_kernels", [None, False], ids=["kernels", "torch-ops"])
+def test_kv_pool_budget_counts_the_weights_and_the_lm_head_copy(monkeypatch, cpu_kernels):
     """With no num_page_override the pool gets memory_ratio of the free memory minus everything
-    the model holds: each distinct state-dict tensor once, plus the LM head's oneDNN copy."""
+    the model holds: each distinct state-dict tensor once, plus the LM head's oneDNN copy (made
+    only when chapter 07's kernels are off: their matmul reads the table itself)."""
     import minisgl.engine.engine as engine_module
+    from minisgl import kernel
 
     free = 256 << 20
     monkeypatch.setattr(engine_module, "available_memory", lambda device: free)
     _shutdown_live()
     engine = Engine(make_config("tiny-llama", num_page_override=None, memory_ratio=0.5,
-                                max_seq_len_override=1 << 20))
+                                max_seq_len_override=1 << 20, cpu_kernels=cpu_kernels))
     try:
         weights = sum(t.numel() * t.element_size() for t in
                       {id(t): t for t in engine.model.state_dict().values()}.values())
         packed = engine.model.lm_head.packed_bytes
-        if torch.backends.mkldnn.is_available():
+        if kernel.enabled():
+            assert packed == 0, "with the kernels on, the LM head needs no oneDNN copy"
+        elif torch.backends.mkldnn.is_available():
             assert packed == engine.model.lm_head.weight.numel() * 4, (
                 "tiny-llama's untied float32 LM head should hold a oneDNN copy on this CPU")
         per_page = engine.config.kv_cache_bytes_per_page

@@ -136,6 +136,41 @@ def test_decode_attention_equals_dense_attention(kernels_on, lengths, hq, hkv, n
 
 
 # ----------------------------------------------------------------------------- bad input
+# rows: 1..16 in chunks of 4 plus a remainder; (N, K): whole tiles and 16-float chunks, a short
+# last tile (N % 4) and a K % 16 tail, SmolLM2's gate_up and LM-head-like widths
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("n,k", [(3072, 576), (577, 33), (6, 15), (1, 7)])
+def test_linear_equals_a_float64_matmul(kernels_on, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k + 5, generator=g)[:, 2: 2 + k]  # rows inside wider rows
+    w = torch.randn(n, k + 3, generator=g)[:, :k]  # weight rows with a stride > k
+    b = torch.randn(n, generator=g)
+    ref = x.double() @ w.double().T
+    for bias, want in [(None, ref), (b, ref + b.double())]:
+        y = kernel.linear(x, w, bias)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        err = (y.double() - want).abs().max().item()
+        assert err < 1e-4 * (1 + want.abs().max().item()), (
+            f"linear({m}x{k} @ {n}x{k}, bias={bias is not None}) is {err:.2e} off float64")
+
+
+def test_the_linear_layers_and_lm_head_use_the_kernel_for_a_few_rows(kernels_on):
+    from minisgl.layers.linear import input_major, matmul
+
+    w, b = torch.randn(96, 64), torch.randn(96)
+    for rows in (1, 4, kernel.LINEAR_MAX_ROWS):
+        x = torch.randn(rows, 64)
+        assert kernel.linear_applies(x, w)
+        assert torch.allclose(matmul(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5)
+    big = torch.randn(kernel.LINEAR_MAX_ROWS + 1, 64)
+    assert not kernel.linear_applies(big, w), "a prefill's many rows go to MKL"
+    assert not kernel.linear_applies(big[:2], input_major(w)), (
+        "an input-major weight (stride(0) == 1) must go to F.linear, not the kernel")
+    assert not kernel.linear_applies(big[:2], w.double())
+    kernel.set_enabled(False)
+    assert not kernel.linear_applies(big[:2], w), "switched off: F.linear"
+
+
 def test_bad_input_gets_a_clear_error(kernels_on):
     m = kernel.load()
     x = torch.randn(2, 8)
@@ -161,6 +196,12 @@ def test_bad_input_gets_a_clear_error(kernels_on):
         m.store_and_decode_attention(q, k, v, k_cache, k_cache.clone(), one,
                                      torch.tensor([40, 1]), torch.tensor([2]), 2, 8)
     assert torch.equal(k_cache, torch.zeros(16, 8)), "a refused call must not write the pool"
+    with pytest.raises(RuntimeError, match="input-major weight"):
+        m.linear(x, torch.randn(8, 3).t(), None)  # [3, 8] stored input-major
+    with pytest.raises(RuntimeError, match=r"the weight must be \[out_features, 8\]"):
+        m.linear(x, torch.randn(3, 9), None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 CPU vector of 3"):
+        m.linear(x, torch.randn(3, 8), torch.randn(4))
 
 
 # ----------------------------------------------------------------------------- the switch
@@ -201,7 +242,7 @@ def test_an_engine_runs_every_kernel_in_each_step_and_switches_them_off_after():
             pytest.skip(f"the C++ kernels cannot be built here: {kernel.unavailable_reason()}")
         layers = len(engine.model.model.layers.op_list)
         names = ["rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rope_inplace",
-                 "store_and_decode_attention"]
+                 "store_and_decode_attention", "linear"]
         counts = dict.fromkeys(names, 0)
         real = kernel._MODULE
 
@@ -224,16 +265,42 @@ def test_an_engine_runs_every_kernel_in_each_step_and_switches_them_off_after():
             run_step(engine, reqs, "decode")
         finally:
             kernel._MODULE = real
+        # linear: qkv, o, gate_up, down in each layer, then the LM head
         assert counts == {"rmsnorm": 1, "fused_add_rmsnorm": 2 * layers, "silu_and_mul": layers,
-                          "rope_inplace": layers, "store_and_decode_attention": layers}, counts
+                          "rope_inplace": layers, "store_and_decode_attention": layers,
+                          "linear": 4 * layers + 1}, counts
+        weights = linear_weights(engine.model)
+        assert weights and all(w.stride(1) == 1 for w in weights), (
+            "with the kernels on at load, linear weights keep the checkpoint's [out, in] rows")
+        assert engine.model.lm_head.packed_bytes == 0, "the kernel needs no oneDNN LM-head copy"
     finally:
         engine.shutdown()
     assert not kernel.enabled(), "Engine.shutdown must switch the kernels off"
     engine = Engine(config(cpu_kernels=False))
     try:
         assert not kernel.enabled()
+        weights = linear_weights(engine.model)
+        assert weights and all(w.stride(0) == 1 for w in weights), (
+            "with cpu_kernels=False, linear weights are stored input-major for F.linear")
     finally:
         engine.shutdown()
+
+
+def linear_weights(model):
+    """The weight of every linear op under ``model`` (walking ops and their op lists)."""
+    from minisgl.layers import BaseOP
+    from minisgl.layers.linear import _LinearTPImpl
+
+    found, todo = [], [model]
+    while todo:
+        op = todo.pop()
+        if isinstance(op, _LinearTPImpl):
+            found.append(op.weight)
+            continue
+        for value in vars(op).values():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            todo += [v for v in values if isinstance(v, BaseOP)]
+    return found
 
 
 def test_cpu_kernels_true_needs_float32():

@@ -89,8 +89,9 @@ class Engine:
         self._owns = {"tp_info": False, "ctx": False, "dist": False, "kernels": False}
         try:
             self.tp_cpu_group = self._init_communication(config)  # None when tp=1
-            self._init(config)
+            # before _init: the linear layers choose their weight layout when they load
             self._owns["kernels"] = self._enable_kernels(config)
+            self._init(config)
         except BaseException:
             self._release()
             raise
@@ -147,10 +148,11 @@ class Engine:
         """Switch on chapter 07's fused C++ kernels (CPU, float32; ``cpu_kernels=False`` keeps
         every layer on its torch code). Returns whether they are on."""
         want = config.cpu_kernels
+        device = _resolve_device(config.device, config.tp_info.rank)
         if want is None:
-            want = self.device.type == "cpu" and self.dtype == torch.float32
-        elif want and self.device.type != "cpu":
-            raise ValueError(f"cpu_kernels=True on device {self.device}: the kernels are CPU "
+            want = device.type == "cpu" and config.dtype == torch.float32
+        elif want and device.type != "cpu":
+            raise ValueError(f"cpu_kernels=True on device {device}: the kernels are CPU "
                              "code; leave cpu_kernels=None on a GPU.")
         return kernel.set_enabled(want)
 

@@ -17,7 +17,11 @@ Kernels (each replaces several torch ops of one decoder layer):
 - ``silu_and_mul(x)``: ``silu(gate) * up``;
 - ``rope_inplace(positions, x, cos_sin_cache, head_size)``: rotate q/k in place;
 - ``store_and_decode_attention(...)``: write this step's k, v into the pool, then one query per
-  request attends to its keys through the page table's slots.
+  request attends to its keys through the page table's slots;
+- ``linear(x, w, bias)``: ``F.linear`` for a decode batch (up to ``LINEAR_MAX_ROWS`` rows),
+  reading ``w`` in the checkpoint's ``[out, in]`` layout. The linear layers keep that layout when
+  the kernels are on at load time (the Engine switches them on before loading), and the LM head
+  then needs no oneDNN copy.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from .csrc import FUNCTIONS, SOURCE
 _ENABLED = False
 _MODULE: ModuleType | None = None
 _FAILED: str | None = None  # why the build failed (once failed, not retried in this process)
+_PARALLEL = False  # built with OpenMP: at::parallel_for can use every thread
 # -fopenmp: at::parallel_for splits rows over threads only when compiled with OpenMP
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -84,7 +89,7 @@ def _build(flags) -> ModuleType:
 
 def load() -> ModuleType | None:
     """The compiled module (built on first call), or None when it cannot be built."""
-    global _MODULE, _FAILED
+    global _MODULE, _FAILED, _PARALLEL
     if _MODULE is not None or _FAILED is not None:
         return _MODULE
     if os.environ.get("MINISGL_KERNELS", "1") == "0":
@@ -94,6 +99,7 @@ def load() -> ModuleType | None:
     for flags in (_FLAGS, ["-O3"]):  # some compilers reject -march=native or -fopenmp
         try:
             _MODULE = _build(flags)
+            _PARALLEL = bool(_MODULE.has_openmp())
             return _MODULE
         except Exception as e:  # no compiler, no ninja, a compile error: the torch ops remain
             last = (str(e).strip().splitlines() or [""])[-1]
@@ -128,6 +134,20 @@ def applies(x: torch.Tensor) -> bool:
             and x.dim() == 2 and x.stride(-1) == 1)
 
 
+# Up to this many rows (a decode batch, or a prefill's last tokens in the LM head) ``linear``
+# beats MKL here; beyond it MKL's blocked GEMM wins (benchmarks/README.md has the numbers).
+LINEAR_MAX_ROWS = 16
+
+
+def linear_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Should ``F.linear(x, w)`` go to ``linear``? A few float32 CPU rows, a float32 CPU weight
+    whose rows are contiguous (``[out, in]``, not ``input_major``), and threads to split it over
+    (a build without OpenMP would run it on one thread: slower than MKL on two)."""
+    return (applies(x) and x.shape[0] <= LINEAR_MAX_ROWS and w.dim() == 2 and w.stride(-1) == 1
+            and w.device.type == "cpu" and w.dtype == torch.float32
+            and (_PARALLEL or torch.get_num_threads() == 1))
+
+
 # ------------------------------------------------------------------ the kernels
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                       eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -157,3 +177,10 @@ def store_and_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (its new token included, stored first at ``out_loc[b]``). Returns ``[B, Hq*D]``."""
     return _MODULE.store_and_decode_attention(q, k, v, k_cache, v_cache, out_loc, kv_slots,
                                               seq_lens, max_kv_len, head_dim)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for a few rows: ``x [M, K]``, ``w [N, K]`` with contiguous rows.
+    Each weight byte is read once, 4 output features at a time, the features split over the
+    threads; see ``linear_applies``."""
+    return _MODULE.linear(x, w, bias)

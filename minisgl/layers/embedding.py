@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minisgl import kernel
 from minisgl.core import get_global_ctx
 from minisgl.distributed import DistributedCommunicator, get_tp_info
 from minisgl.utils import div_ceil
 
 from .base import BaseOP, StateDict
-from .linear import onednn_linear, onednn_pack
+from .linear import matmul, onednn_linear, onednn_pack
 
 
 class VocabParallelEmbedding(BaseOP):
@@ -75,8 +76,9 @@ class ParallelLMHead(BaseOP):
             state_dict.pop(f"{prefix}.weight" if prefix else "weight", None)
         super().load_state_dict(state_dict, prefix=prefix, _internal=_internal)
         weight = self._tied_embedding.weight if self.tie_word_embeddings else self.weight
-        # the version counter tells when the weight changed in place (inference tensors have none)
-        packed = None if weight.is_inference() else onednn_pack(weight)
+        # the version counter tells when the weight changed in place (inference tensors have none);
+        # with chapter 07's kernels on, their small-batch matmul reads the table itself: no copy
+        packed = None if weight.is_inference() or kernel.enabled() else onednn_pack(weight)
         self._packed = None if packed is None else (weight, weight._version, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +95,8 @@ class ParallelLMHead(BaseOP):
             packed = self._packed = None  # the weight was replaced or changed: drop the old copy
         if x.shape[0] > 1 and packed is not None:  # a batch of rows: the oneDNN copy
             logits = onednn_linear(x, packed[2], self.bias)  # [rows, V / tp]
-        else:  # one row (a matrix-vector product, already fast), CUDA, or no copy
-            logits = F.linear(x, weight, self.bias)
+        else:  # one row, CUDA, no copy, or chapter 07's kernel
+            logits = matmul(x, weight, self.bias)
         if self.tp_size > 1:
             rows = logits.shape[0]
             gathered = self._comm.all_gather(logits)  # [tp * rows, V / tp], rank-major

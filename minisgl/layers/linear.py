@@ -15,6 +15,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
+from minisgl import kernel
 from minisgl.distributed import DistributedCommunicator, get_tp_info
 from minisgl.utils import div_even
 
@@ -29,6 +30,9 @@ def input_major(w: torch.Tensor) -> torch.Tensor:
     depends on the library, the shapes and the machine (chapter 02 measures it). The shape stays
     the ``[out, in]`` that the checkpoint and ``state_dict`` use: a transposed view of
     ``[in, out]`` storage.
+
+    Chapter 07's small-batch C++ kernel reads the other layout (each output's weights
+    contiguous), so while the kernels are on, ``load_state_dict`` keeps the checkpoint's.
     """
     if w.dim() != 2 or w.device.type == "meta" or w.stride(0) == 1:
         return w
@@ -61,6 +65,13 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)``, handed to chapter 07's kernel for a decode batch's few rows."""
+    if kernel.linear_applies(x, w):
+        return kernel.linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
 class _LinearTPImpl(BaseOP):
     """Shared by every linear layer: the four sizes, the weight, the optional bias."""
 
@@ -76,10 +87,11 @@ class _LinearTPImpl(BaseOP):
     def load_state_dict(self, state_dict: StateDict, *, prefix: str = "",
                         _internal: bool = False) -> None:
         super().load_state_dict(state_dict, prefix=prefix, _internal=_internal)
-        self.weight = input_major(self.weight)
+        if not kernel.enabled():  # the C++ kernel (chapter 07) wants the checkpoint's layout
+            self.weight = input_major(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, local_in] -> [T, local_out]
+        return matmul(x, self.weight, self.bias)  # [T, local_in] -> [T, local_out]
 
 
 class LinearReplicated(_LinearTPImpl):
@@ -134,7 +146,7 @@ class _RowParallel(_LinearTPImpl):
         self._comm = DistributedCommunicator()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [T, out]: this rank's partial sum
+        y = matmul(x, self.weight)  # [T, out]: this rank's partial sum
         if self._tp_size > 1:
             y = self._comm.all_reduce(y)
         if self.bias is not None:  # once, after the sum (per rank, it would count tp times)
