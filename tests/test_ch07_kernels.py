@@ -154,6 +154,29 @@ def test_linear_equals_a_float64_matmul(kernels_on, m, n, k):
             f"linear({m}x{k} @ {n}x{k}, bias={bias is not None}) is {err:.2e} off float64")
 
 
+@pytest.mark.parametrize("flags,lanes", [(["-O3"], 4), (["-O3", "-mavx2", "-mfma", "-fopenmp"], 8)],
+                         ids=["4-lanes-no-openmp", "8-lanes"])
+def test_linear_with_narrower_vectors(kernels_on, flags, lanes):
+    """``linear``'s vector follows the compiler's target: 16 floats with AVX-512, 8 with AVX2,
+    4 otherwise (SSE, an ARM laptop's NEON). Build the narrower ones here and check them too."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the flags below are x86 ones")
+    try:
+        mod = kernel._build(flags)
+    except Exception as e:  # a compiler without these flags: nothing to check here
+        pytest.skip(f"cannot build with {flags}: {e}")
+    assert mod.vector_lanes() == lanes, f"{flags} should give {lanes}-float vectors"
+    g = torch.Generator().manual_seed(lanes)
+    for m, n, k in [(1, 577, 33), (4, 96, 64), (7, 6, 15), (16, 130, 576)]:
+        x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n)
+        want = x.double() @ w.double().T + b.double()
+        err = (mod.linear(x, w, b).double() - want).abs().max().item()
+        assert err < 1e-4 * (1 + want.abs().max().item()), (
+            f"{lanes}-lane linear({m}x{k} @ {n}x{k}) is {err:.2e} off float64")
+
+
 def test_the_linear_layers_and_lm_head_use_the_kernel_for_a_few_rows(kernels_on):
     from minisgl.layers.linear import input_major, matmul
 

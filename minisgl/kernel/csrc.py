@@ -63,11 +63,20 @@ void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
 
 constexpr int64_t kRowGrain = 64;  // rows per thread before parallel_for splits the work
 
-// 16 floats that the compiler keeps in vector registers: one AVX-512 register, two AVX2 ones,
-// four NEON ones. memcpy is how C++ reads them from any float address (compiled to one load).
-typedef float vec16 __attribute__((vector_size(64)));
-inline vec16 load16(const float* p) {
-  vec16 v;
+// One vector register of floats: 16 with AVX-512, 8 with AVX2, 4 otherwise (SSE, NEON), so
+// that a tile's 16 running sums fit the register file. memcpy is how C++ reads a vector from
+// any float address (the compiler turns it into one load).
+#if defined(__AVX512F__)
+#define MINISGL_LANES 16
+#elif defined(__AVX__)
+#define MINISGL_LANES 8
+#else
+#define MINISGL_LANES 4
+#endif
+constexpr int kLanes = MINISGL_LANES;
+typedef float vecf __attribute__((vector_size(MINISGL_LANES * sizeof(float))));
+inline vecf loadv(const float* p) {
+  vecf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
@@ -76,21 +85,21 @@ constexpr int kTileRows = 4;      // output features (weight rows) per tile
 constexpr int kPrefetchTiles = 1;  // ask for the next tile's weight rows while computing this one
 
 // y[m, n0 + i] = x[m] . w[n0 + i] (+ bias) for i < nn (1..4) and MM (1..4) rows of x. The 4
-// weight rows are read once, 16 floats at a time; each chunk meets the MM rows of x (in L1
+// weight rows are read once, one vector at a time; each chunk meets the MM rows of x (in L1
 // cache) in MM x 4 vector accumulators; each accumulator is summed at the end.
 template <int MM>
 void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K,
                  int64_t prefetch, float* y, int64_t ldy, int64_t nn, const float* bias) {
-  vec16 acc[MM][kTileRows] = {};
+  vecf acc[MM][kTileRows] = {};
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    vec16 a[kTileRows];
+  for (; k + kLanes <= K; k += kLanes) {
+    vecf a[kTileRows];
     for (int i = 0; i < kTileRows; ++i) {
       __builtin_prefetch(wr[i] + k + prefetch);
-      a[i] = load16(wr[i] + k);
+      a[i] = loadv(wr[i] + k);
     }
     for (int m = 0; m < MM; ++m) {
-      const vec16 xv = load16(x + m * ldx + k);
+      const vecf xv = loadv(x + m * ldx + k);
       for (int i = 0; i < kTileRows; ++i) acc[m][i] += xv * a[i];
     }
   }
@@ -98,14 +107,16 @@ void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K,
     float s[kTileRows];
     for (int i = 0; i < kTileRows; ++i) {
       s[i] = 0;
-      for (int l = 0; l < 16; ++l) s[i] += acc[m][i][l];
-      for (int64_t kk = k; kk < K; ++kk) s[i] += x[m * ldx + kk] * wr[i][kk];  // K % 16 tail
+      for (int l = 0; l < kLanes; ++l) s[i] += acc[m][i][l];
+      for (int64_t kk = k; kk < K; ++kk) s[i] += x[m * ldx + kk] * wr[i][kk];  // K % kLanes tail
     }
     for (int64_t i = 0; i < nn; ++i) y[m * ldy + i] = bias ? s[i] + bias[i] : s[i];
   }
 }
 
 }  // namespace
+
+int64_t vector_lanes() { return kLanes; }  // floats per vector in linear's tiles
 
 bool has_openmp() {  // without OpenMP, at::parallel_for runs on one thread
 #ifdef _OPENMP
@@ -117,8 +128,8 @@ bool has_openmp() {  // without OpenMP, at::parallel_for runs on one thread
 
 // y = x @ w.T (+ bias) for a few rows of x (a decode batch), w [N, K] in the checkpoint's
 // layout: each output feature's K weights contiguous. MKL's GEMM, tuned for large products,
-// reads the weight at about half speed with 2-16 rows; here every weight byte is read once,
-// whatever the row count, and the threads split the output features.
+// reads the weight much more slowly with 2-16 rows than with one; here every weight byte is
+// read once, whatever the row count, and the threads split the output features.
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias) {
   check_rows(x, "x");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2 &&
@@ -341,4 +352,4 @@ torch::Tensor store_and_decode_attention(torch::Tensor q, torch::Tensor k, torch
 """
 
 FUNCTIONS = ["rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rope_inplace",
-             "store_and_decode_attention", "linear", "has_openmp"]
+             "store_and_decode_attention", "linear", "has_openmp", "vector_lanes"]
