@@ -326,6 +326,23 @@ def linear_weights(model):
     return found
 
 
+def test_an_engine_that_fails_to_build_switches_the_kernels_off(monkeypatch):
+    """The Engine switches the kernels on *before* it loads the model (the linear layers pick
+    their weight layout then); if building fails afterwards, the switch must be off again."""
+    import minisgl.engine.engine as engine_module
+    from minisgl.distributed import DistributedInfo
+    from minisgl.engine import Engine, EngineConfig
+
+    if kernel.load() is None:
+        pytest.skip(f"the C++ kernels cannot be built here: {kernel.unavailable_reason()}")
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 1 << 20)
+    with pytest.raises(MemoryError):  # no room for the KV pool, after the weights loaded
+        Engine(EngineConfig(model_path=str(model_path("tiny-llama")),
+                            tp_info=DistributedInfo(0, 1), dtype=torch.float32,
+                            num_page_override=None, memory_ratio=0.5))
+    assert not kernel.enabled(), "a failed Engine must switch the kernels off"
+
+
 def test_cpu_kernels_true_needs_float32():
     from minisgl.distributed import DistributedInfo
     from minisgl.engine import EngineConfig

@@ -10,7 +10,7 @@ tests, which call the layers directly, always run the torch code; an Engine on t
 kernels. Without a C++ compiler, or with ``MINISGL_KERNELS=0``, everything runs the torch code
 (one line says why).
 
-Kernels (each replaces several torch ops of one decoder layer):
+Kernels (each replaces torch code of one decoder layer):
 
 - ``fused_add_rmsnorm(x, residual, w, eps)``: ``residual += x`` in place, then RMSNorm of it
   (``residual=None``: RMSNorm of ``x``, which becomes the residual);
