@@ -85,6 +85,9 @@ class Generation:
 # ----------------------------------------------------------------------------- parsing
 
 
+MODULE_SUFFIXES = (".py", ".cpp")  # what a %%writefile cell may write into minisgl/
+
+
 def cell_source(cell: dict) -> str:
     """A cell's source as one string (on disk it may be a list of lines)."""
     src = cell.get("source", "")
@@ -120,11 +123,12 @@ def parse_writefile(source: str) -> tuple[str, str, list[str]] | None:
     else:
         norm = posixpath.normpath(paths[0])
         if paths[0].startswith("../minisgl/") and norm.startswith("../minisgl/") and (
-            norm.endswith(".py")
+            norm.endswith(MODULE_SUFFIXES)
         ):
             target = norm[3:]
         else:
-            errors.append(f"`{paths[0]}`: the target must be a .py file under ../minisgl/")
+            errors.append(f"`{paths[0]}`: the target must be a .py or .cpp file under "
+                          "../minisgl/")
     return target, body, errors
 
 
@@ -322,8 +326,9 @@ def extra_files(root: Path, gen: Generation) -> list[str]:
 
     Hidden folders, __pycache__ and notebooks whose name starts with '_' are ignored.
     """
-    found = [p.relative_to(root).as_posix() for p in (root / "minisgl").rglob("*.py")
-             if not any(d.startswith(".") or d == "__pycache__" for d in p.relative_to(root).parts)]
+    found = [p.relative_to(root).as_posix() for p in (root / "minisgl").rglob("*")
+             if p.suffix in MODULE_SUFFIXES and p.is_file()
+             and not any(d.startswith(".") or d == "__pycache__" for d in p.relative_to(root).parts)]
     found += [f"notebooks/{p.name}" for p in (root / "notebooks").glob("*.ipynb")
               if not p.name.startswith("_")]
     return sorted(set(found) - set(gen.files))

@@ -28,7 +28,6 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from minisgl import kernel
 from minisgl.core import Batch, get_global_ctx
 from minisgl.distributed import get_tp_info
 from minisgl.models import ModelConfig
@@ -136,13 +135,6 @@ class TorchBackend(BaseAttnBackend):
         md: TorchAttnMetadata = batch.attn_metadata
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         bp, L, qmax = md.seq_lens.shape[0], md.max_kv_len, md.max_q_len
-        if md.q_index is None and kernel.applies(k):  # decode: chapter 07's fused C++ kernel
-            o = kernel.store_and_decode_attention(
-                q.reshape(bp, hkv * g * d), k, v,
-                self.kv_cache.k_cache(layer_id).view(-1, hkv * d),
-                self.kv_cache.v_cache(layer_id).view(-1, hkv * d),
-                md.out_loc, md.kv_slots, md.seq_lens, L, d)
-            return o.view(bp, hkv * g, d)
         # BEGIN SOLUTION 5.3: store first, gather each request's keys, one batched SDPA
         self.kv_cache.store_kv(k, v, md.out_loc, layer_id)
         k_all = self.kv_cache.k_cache(layer_id).view(-1, hkv, d).index_select(0, md.kv_slots)

@@ -44,7 +44,7 @@ class EngineConfig:
     # CPU-build additions:
     device: str = "auto"  # "auto": CUDA when available, else CPU
     num_threads: int | None = None  # None: every CPU core this process may use
-    cpu_kernels: bool | None = None  # chapter 07's fused C++ kernels; None: on for CPU float32
+    cpu_kernels: bool = False  # True: chapter 07's fused C++ kernels (CPU, float32)
 
     @functools.cached_property
     def hf_config(self):
@@ -88,9 +88,12 @@ class EngineConfig:
                             "torch.float32 (CPU) or torch.bfloat16 / torch.float16 (GPU).")
         if self.max_running_req < 1:
             raise ValueError(f"max_running_req={self.max_running_req}: need at least 1.")
+        if not isinstance(self.cpu_kernels, bool):
+            raise TypeError(f"cpu_kernels={self.cpu_kernels!r}: use True (chapter 07's fused "
+                            "C++ kernels) or False (the chapters' torch code, the default).")
         if self.cpu_kernels and self.dtype != torch.float32:
             raise ValueError(f"cpu_kernels=True with dtype={self.dtype}: the C++ kernels are "
-                             "float32 only; use dtype=torch.float32, or cpu_kernels=None.")
+                             "float32 only; use dtype=torch.float32, or cpu_kernels=False.")
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size={self.page_size!r}: a page holds at least one token; use "
                              "1, or a power of two such as 4 or 16.")
@@ -108,8 +111,14 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device={self.device!r} but CUDA is not available on this "
                                "machine: use device='cpu' (or 'auto').")
+        if self.cpu_kernels and (self.device.startswith("cuda") or (
+                self.device == "auto" and torch.cuda.is_available())):
+            raise ValueError("cpu_kernels=True on a GPU: the kernels are CPU code; use "
+                             "device='cpu', or cpu_kernels=False.")
         from minisgl.attention import validate_attn_backend
 
+        if self.cpu_kernels or "cpp" in self.attention_backend.split(","):
+            import minisgl.kernel  # noqa: F401  registers the "cpp" backend (compiles nothing)
         validate_attn_backend(self.attention_backend)
         mc = self.model_config  # reads config.json: unsupported fields fail here
         from minisgl.models.register import MODEL_REGISTRY

@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from minisgl import kernel
 from minisgl.attention import create_attention_backend, resolve_attn_backend
 from minisgl.core import Batch, Context, Req, reset_global_ctx, set_global_ctx
 from minisgl.distributed import destroy_distributed, reset_tp_info, set_tp_info
@@ -86,12 +85,15 @@ class Engine:
             live.shutdown()
         self._closed = False
         self._prev_threads = torch.get_num_threads()
-        self._owns = {"tp_info": False, "ctx": False, "dist": False, "kernels": False}
+        self._owns = {"tp_info": False, "ctx": False, "dist": False}
         try:
             self.tp_cpu_group = self._init_communication(config)  # None when tp=1
-            # before _init: the linear layers choose their weight layout when they load
-            self._owns["kernels"] = self._enable_kernels(config)
+            kernels = self._want_cpu_kernels(config)  # chapter 07's optional implementation
             self._init(config)
+            if kernels:
+                from minisgl import kernel
+
+                kernel.bind(self.model)
         except BaseException:
             self._release()
             raise
@@ -144,17 +146,21 @@ class Engine:
                                         self.dummy_req)
         # END SOLUTION
 
-    def _enable_kernels(self, config: EngineConfig) -> bool:
-        """Switch on chapter 07's fused C++ kernels (CPU, float32; ``cpu_kernels=False`` keeps
-        every layer on its torch code). Returns whether they are on."""
-        want = config.cpu_kernels
-        device = _resolve_device(config.device, config.tp_info.rank)
-        if want is None:
-            want = device.type == "cpu" and config.dtype == torch.float32
-        elif want and device.type != "cpu":
-            raise ValueError(f"cpu_kernels=True on device {device}: the kernels are CPU "
-                             "code; leave cpu_kernels=None on a GPU.")
-        return kernel.set_enabled(want)
+    def _want_cpu_kernels(self, config: EngineConfig) -> bool:
+        """``cpu_kernels=True``: use chapter 07's fused C++ kernels in this Engine. The choice
+        is made here, once: the kernels are built (or found in their cache), ``"auto"`` picks
+        the ``"cpp"`` attention backend, and after ``_init`` the model's ops are bound to the
+        kernels (``kernel.bind``). Where they cannot be built, one line says why and the Engine
+        runs the chapters' code. The default (False) imports and compiles nothing."""
+        if not config.cpu_kernels:
+            return False
+        from minisgl import kernel
+
+        if kernel.load() is None:
+            return False
+        if config.attention_backend == "auto":
+            object.__setattr__(config, "attention_backend", "cpp")
+        return True
 
     def _init_communication(self, config: EngineConfig):
         """tp > 1: join the process group of the ``size`` ranks (one Engine per process).
@@ -193,8 +199,6 @@ class Engine:
         cache_per_page = config.kv_cache_bytes_per_page
         model_bytes = sum(t.numel() * t.element_size()
                           for t in {id(t): t for t in self.model.state_dict().values()}.values())
-        # plus the LM head's oneDNN copy for batches (chapter 02), not a state-dict tensor
-        model_bytes += getattr(getattr(self.model, "lm_head", None), "packed_bytes", 0)
         if config.num_page_override is not None:
             num_pages = config.num_page_override
             need = (num_pages + 1) * cache_per_page
@@ -310,9 +314,6 @@ class Engine:
             reset_global_ctx()
         if self._owns.get("tp_info"):
             reset_tp_info()
-        if self._owns.get("kernels"):
-            kernel.set_enabled(False)
-            self._owns["kernels"] = False
         destroy_distributed()
         if self._owns.get("dist"):  # the process group this Engine created (tp > 1)
             import torch.distributed as dist

@@ -12,13 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minisgl import kernel
 from minisgl.core import get_global_ctx
 from minisgl.distributed import DistributedCommunicator, get_tp_info
 from minisgl.utils import div_ceil
 
 from .base import BaseOP, StateDict
-from .linear import matmul, onednn_linear, onednn_pack
 
 
 class VocabParallelEmbedding(BaseOP):
@@ -61,25 +59,13 @@ class ParallelLMHead(BaseOP):
             self.weight = torch.empty(self.num_embeddings_tp, embedding_dim)
         self.bias = torch.empty(self.num_embeddings_tp) if bias else None
         self._comm = DistributedCommunicator()
-        self._packed = None  # (weight it was made from, its version, oneDNN copy): see forward
-
-    @property
-    def packed_bytes(self) -> int:
-        """Bytes of the extra oneDNN copy of the weight (0 without one)."""
-        if self._packed is None:
-            return 0
-        return self._packed[0].numel() * self._packed[0].element_size()
+        self._matmul = F.linear  # cpu_kernels=True: chapter 07's small-batch kernel
 
     def load_state_dict(self, state_dict: StateDict, *, prefix: str = "",
                         _internal: bool = False) -> None:
         if self.tie_word_embeddings:  # the embedding's weight is used; a checkpoint copy is dropped
             state_dict.pop(f"{prefix}.weight" if prefix else "weight", None)
         super().load_state_dict(state_dict, prefix=prefix, _internal=_internal)
-        weight = self._tied_embedding.weight if self.tie_word_embeddings else self.weight
-        # the version counter tells when the weight changed in place (inference tensors have none);
-        # with chapter 07's kernels on, their small-batch matmul reads the table itself: no copy
-        packed = None if weight.is_inference() or kernel.enabled() else onednn_pack(weight)
-        self._packed = None if packed is None else (weight, weight._version, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> logits ``[B, V]`` in prefill (last token of each real request) or
@@ -90,13 +76,7 @@ class ParallelLMHead(BaseOP):
             x = x[batch.attn_metadata.get_last_indices(batch.size)]
         # END SOLUTION
         weight = self._tied_embedding.weight if self.tie_word_embeddings else self.weight
-        packed = self._packed
-        if packed is not None and (packed[0] is not weight or packed[1] != weight._version):
-            packed = self._packed = None  # the weight was replaced or changed: drop the old copy
-        if x.shape[0] > 1 and packed is not None:  # a batch of rows: the oneDNN copy
-            logits = onednn_linear(x, packed[2], self.bias)  # [rows, V / tp]
-        else:  # one row, CUDA, no copy, or chapter 07's kernel
-            logits = matmul(x, weight, self.bias)
+        logits = self._matmul(x, weight, self.bias)  # [rows, V / tp]
         if self.tp_size > 1:
             rows = logits.shape[0]
             gathered = self._comm.all_gather(logits)  # [tp * rows, V / tp], rank-major

@@ -15,61 +15,10 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from minisgl import kernel
 from minisgl.distributed import DistributedCommunicator, get_tp_info
 from minisgl.utils import div_even
 
-from .base import BaseOP, StateDict
-
-
-def input_major(w: torch.Tensor) -> torch.Tensor:
-    """The same ``[out, in]`` matrix, stored so that each *input* row is contiguous.
-
-    ``F.linear(x, w)`` computes ``x @ w.T``. With few rows in ``x`` (decode), some matmul
-    libraries run faster when ``w.T`` (``[in, out]``) is the contiguous one; whether it helps
-    depends on the library, the shapes and the machine (chapter 02 measures it). The shape stays
-    the ``[out, in]`` that the checkpoint and ``state_dict`` use: a transposed view of
-    ``[in, out]`` storage.
-
-    Chapter 07's small-batch C++ kernel reads the other layout (each output's weights
-    contiguous), so while the kernels are on, ``load_state_dict`` keeps the checkpoint's.
-    """
-    if w.dim() != 2 or w.device.type == "meta" or w.stride(0) == 1:
-        return w
-    return w.t().contiguous().t()
-
-
-def onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
-    """A copy of ``w`` (``[out, in]``) in oneDNN's blocked layout, or None where none applies.
-
-    Matmul libraries are tuned for big products; at 2-16 rows (a decode batch) MKL's ``F.linear``
-    reads the LM head's weight at about half the speed it reaches for one row. oneDNN, which
-    ships inside torch's CPU build, can re-lay a weight out once in blocks made for a given row
-    count; its product then runs 1.5-2x faster at 4-16 rows here (``benchmarks/bench_decode.py``
-    shows it). The copy costs the weight's bytes again, so only the LM head uses it. CPU and
-    float32 only; None elsewhere (CUDA, bfloat16, builds without oneDNN) and callers fall back to
-    ``F.linear``.
-    """
-    if (w.dim() != 2 or w.device.type != "cpu" or w.dtype != torch.float32
-            or not torch.backends.mkldnn.is_available()):
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 4)  # tuned for 4 rows
-    except (AttributeError, RuntimeError):  # a torch build without the op: plain F.linear
-        return None
-
-
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` computed from ``onednn_pack(w)``."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-
-
-def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``, handed to chapter 07's kernel for a decode batch's few rows."""
-    if kernel.linear_applies(x, w):
-        return kernel.linear(x, w, bias)
-    return F.linear(x, w, bias)
+from .base import BaseOP
 
 
 class _LinearTPImpl(BaseOP):
@@ -83,15 +32,12 @@ class _LinearTPImpl(BaseOP):
         self.local_output_size = local_osize
         self.weight = torch.empty(local_osize, local_isize)
         self.bias = torch.empty(local_osize) if has_bias else None
-
-    def load_state_dict(self, state_dict: StateDict, *, prefix: str = "",
-                        _internal: bool = False) -> None:
-        super().load_state_dict(state_dict, prefix=prefix, _internal=_internal)
-        if not kernel.enabled():  # the C++ kernel (chapter 07) wants the checkpoint's layout
-            self.weight = input_major(self.weight)
+        # the matmul this op runs; an Engine built with cpu_kernels=True hands it chapter 07's
+        # small-batch kernel (underscore: not a weight)
+        self._matmul = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)  # [T, local_in] -> [T, local_out]
+        return self._matmul(x, self.weight, self.bias)  # [T, local_in] -> [T, local_out]
 
 
 class LinearReplicated(_LinearTPImpl):
@@ -146,7 +92,7 @@ class _RowParallel(_LinearTPImpl):
         self._comm = DistributedCommunicator()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul(x, self.weight)  # [T, out]: this rank's partial sum
+        y = self._matmul(x, self.weight)  # [T, out]: this rank's partial sum
         if self._tp_size > 1:
             y = self._comm.all_reduce(y)
         if self.bias is not None:  # once, after the sum (per rank, it would count tp times)

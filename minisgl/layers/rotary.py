@@ -16,8 +16,6 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-from minisgl import kernel
-
 from .base import StateLessOP
 
 PostProcess = Callable[[torch.Tensor], Tuple[torch.Tensor, float]]
@@ -48,10 +46,6 @@ class RotaryEmbedding(StateLessOP):
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query [T, Hq*D]`` and ``key [T, Hkv*D]`` in place; returns them."""
-        if kernel.applies(query) and kernel.applies(key) and self._cos_sin_cache.is_cpu:
-            for x in _rotation_targets(query, key):  # chapter 07's C++ kernel, one pass each
-                kernel.rope_inplace(positions, x, self._cos_sin_cache, self.head_size)
-            return query, key
         cos_sin = self._cos_sin_cache.index_select(0, positions)  # [T, D]
         half = self.rotary_dim // 2
         cos = cos_sin[:, None, :half]  # [T, 1, D/2], broadcast over heads

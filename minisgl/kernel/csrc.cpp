@@ -1,18 +1,14 @@
-# Chapter 07 (07_stage1_milestone.ipynb): the C++ source of the fused CPU kernels.
-"""C++ for ``minisgl.kernel``: each function does in one pass what the torch ops do in several.
-
-A decode step on a small model is dominated, after the matmuls, by *small* ops: an RMSNorm is
-about nine tensor operations (add, pow, mean, rsqrt, mul, ...), each paying the dispatcher, an
-output allocation and a trip through memory. Here each is one loop over the data. Every function
-checks its inputs (float32, CPU, rows contiguous in the last dim, consistent shapes, slots inside
-the pool) and raises a clear ``RuntimeError`` instead of touching memory it does not own.
-Rows are spread over threads with ``at::parallel_for`` only when there are enough of them
-(prefill); a decode batch runs on the calling thread. ``linear`` is the exception: a decode
-batch's matmul splits the weight's *output features* over the threads, since reading the weight
-is the whole cost.
-"""
-
-SOURCE = r"""
+// Chapter 07 (07_stage1_milestone.ipynb): the fused CPU kernels, in C++.
+//
+// Each function does in one pass over the data what the torch ops of one layer do in several:
+// an RMSNorm is about nine tensor operations (add, pow, mean, rsqrt, mul, ...), each paying the
+// dispatcher, an output allocation and a trip through memory; here it is one loop. Every
+// function checks its inputs (float32, CPU, rows contiguous in the last dim, consistent shapes,
+// slots inside the pool) and raises a clear error instead of touching memory it does not own.
+// Rows are spread over threads with at::parallel_for only when there are enough of them
+// (prefill); a decode batch runs on the calling thread. `linear` is the exception: a decode
+// batch's matmul splits the weight's output features over the threads, since reading the weight
+// is the whole cost. The PYBIND11_MODULE block at the end names what Python can call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -273,45 +269,34 @@ void rope_inplace(torch::Tensor positions, torch::Tensor x, torch::Tensor cos_si
   });
 }
 
-torch::Tensor store_and_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                         torch::Tensor k_cache, torch::Tensor v_cache,
-                                         torch::Tensor out_loc, torch::Tensor kv_slots,
-                                         torch::Tensor seq_lens, int64_t max_kv_len,
-                                         int64_t head_dim) {
+// Decode attention over the paged pool, one query per request. The caller has already written
+// this step's k, v into the pool (store_kv: the pool has one writer), so request b attends to
+// slots kv_slots[b*L .. b*L + seq_lens[b]), its new token included.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor kv_slots, torch::Tensor seq_lens, int64_t max_kv_len,
+                               int64_t head_dim) {
   check_rows(q, "q");
-  check_rows(k, "k");
-  check_rows(v, "v");
   check_rows(k_cache, "k_cache");
   check_rows(v_cache, "v_cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be contiguous "
               "[slots, Hkv * head_dim] views of the same shape");
-  const int64_t B = q.size(0), D = head_dim, row = k.size(1), S = k_cache.size(0);
-  TORCH_CHECK(D > 0 && row % D == 0 && q.size(1) % row == 0 && v.size(1) == row &&
-              k_cache.size(1) == row, "q [B, Hq*D], k and v [B, Hkv*D] and the caches "
+  const int64_t B = q.size(0), D = head_dim, row = k_cache.size(1), S = k_cache.size(0);
+  TORCH_CHECK(D > 0 && row % D == 0 && q.size(1) % row == 0, "q [B, Hq*D] and the caches "
               "[slots, Hkv*D] must agree with head_dim ", D, " and Hq a multiple of Hkv");
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B, "q, k and v must have the same rows");
   const int64_t Hkv = row / D, Hq = q.size(1) / D, G = Hq / Hkv, L = max_kv_len;
-  const int64_t* ol = index_ptr(out_loc, "out_loc");
   const int64_t* slots = index_ptr(kv_slots, "kv_slots");
   const int64_t* lens = index_ptr(seq_lens, "seq_lens");
-  TORCH_CHECK(out_loc.size(0) == B && seq_lens.size(0) == B && kv_slots.size(0) == B * L,
-              "decode metadata must have one out_loc and seq_len per request and B * L "
-              "kv_slots (B=", B, ", L=", L, ")");
+  TORCH_CHECK(seq_lens.size(0) == B && kv_slots.size(0) == B * L, "decode metadata must have "
+              "one seq_len per request and B * L kv_slots (B=", B, ", L=", L, ")");
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ol[b] >= 0 && ol[b] < S, "out_loc ", ol[b], " is outside the pool (", S,
-                " slots)");
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= L, "seq_len ", lens[b], " must be in 1..", L);
     for (int64_t j = 0; j < lens[b]; ++j)
       TORCH_CHECK(slots[b * L + j] >= 0 && slots[b * L + j] < S, "kv slot ", slots[b * L + j],
                   " is outside the pool (", S, " slots)");
   }
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {  // store first: each request attends to its own new token
-    std::memcpy(kc + ol[b] * row, k.data_ptr<float>() + b * k.stride(0), row * sizeof(float));
-    std::memcpy(vc + ol[b] * row, v.data_ptr<float>() + b * v.stride(0), row * sizeof(float));
-  }
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
   auto o = torch::empty({B, Hq * D}, q.options());
   const float scale = 1.0f / std::sqrt((float)D);
   const float* qp = q.data_ptr<float>();
@@ -349,7 +334,14 @@ torch::Tensor store_and_decode_attention(torch::Tensor q, torch::Tensor k, torch
   });
   return o;
 }
-"""
 
-FUNCTIONS = ["rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rope_inplace",
-             "store_and_decode_attention", "linear", "has_openmp", "vector_lanes"]
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rmsnorm", &rmsnorm, "RMSNorm of each row");
+  m.def("fused_add_rmsnorm", &fused_add_rmsnorm, "residual += x, then RMSNorm of residual");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]");
+  m.def("rope_inplace", &rope_inplace, "rotate every head of each row by its position");
+  m.def("decode_attention", &decode_attention, "one query per request over the paged pool");
+  m.def("linear", &linear, "x @ w.T (+ bias) for a few rows of x");
+  m.def("has_openmp", &has_openmp, "built with OpenMP");
+  m.def("vector_lanes", &vector_lanes, "floats per vector in linear's tiles");
+}
