@@ -83,18 +83,15 @@ def _no_network():
 @pytest.fixture
 def clean_globals():
     """minisgl's process-wide state reset before and after a test: the global Context, the tp
-    info, the fused-kernel switch and the communicator's plugin stack (modules using it: ``pytestmark =
+    info and the communicator's plugin stack (modules using it: ``pytestmark =
     pytest.mark.usefixtures("clean_globals")``)."""
-    from minisgl import kernel
     from minisgl.core import reset_global_ctx
     from minisgl.distributed import DistributedCommunicator, reset_tp_info
 
     reset_tp_info()
     reset_global_ctx()
-    kernel.set_enabled(False)
     plugins = DistributedCommunicator.plugins
     yield
     reset_tp_info()
     reset_global_ctx()
-    kernel.set_enabled(False)
     DistributedCommunicator.plugins = plugins

@@ -43,7 +43,6 @@ from minisgl.layers import (
     get_rope,
     silu_and_mul,
 )
-from minisgl.layers.linear import input_major
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -296,19 +295,16 @@ def test_oplist_keys_and_stateless():
         rope.load_state_dict({"inv_freq": torch.zeros(4)})
 
 
-def test_input_major_keeps_values_and_shape():
+def test_linear_keeps_the_checkpoint_layout():
+    """One weight layout everywhere: a loaded linear weight is the checkpoint's ``[out, in]``
+    tensor itself, and the op's matmul is plain ``F.linear`` (chapter 07's kernels are bound
+    only by an Engine built with ``cpu_kernels=True``)."""
     w = randn(6, 10, seed=3)
-    im = input_major(w)
-    assert im.shape == w.shape and torch.equal(im, w), "input_major must keep shape and values"
-    assert im.t().is_contiguous(), "input_major should store the [in, out] transpose contiguously"
-    assert input_major(im) is im, "input_major of an input-major tensor should return it as is"
     lin = loaded(build(0, 1, lambda: LinearReplicated(10, 6, has_bias=False)), {"weight": w})
+    assert lin.weight is w and lin.weight.is_contiguous(), "load_state_dict must keep the tensor"
+    assert lin._matmul is F.linear
     x = randn(3, 10, seed=4)
     torch.testing.assert_close(lin.forward(x), F.linear(x, w))
-    assert torch.equal(lin.state_dict()["weight"], w), "a loaded linear weight must keep values"
-    with torch.device("meta"):
-        m = torch.empty(6, 10)
-    assert input_major(m) is m, "meta placeholders must be left alone"
 
 
 # ----------------------------------------------------------------------------- linear + TP
@@ -511,31 +507,6 @@ def test_lm_head_decode_keeps_every_row():
         got = head.forward(x)
     torch.testing.assert_close(got, F.linear(x, w), msg=lambda m: (
         "Exercise 2.5 (LM head): in decode every row (padding included) is kept\n" + m))
-
-
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
-def test_lm_head_batch_path_uses_a_fresh_onednn_copy():
-    """On a CPU with oneDNN the LM head keeps a packed copy for batches of rows; its logits equal
-    F.linear's, and a weight changed in place or replaced after loading is never served from the
-    stale copy."""
-    V, H = 1000, 64
-    w = randn(V, H, seed=57)
-    head = loaded(build(0, 1, lambda: ParallelLMHead(V, H)), {"weight": w})
-    assert head._packed is not None and head.packed_bytes == V * H * 4, (
-        "float32 on a CPU with oneDNN: load_state_dict should keep a packed copy")
-    for rows in (1, 4, 16):
-        x = randn(rows, H, seed=58 + rows)
-        with active(make_batch([1] * rows, "decode")):
-            torch.testing.assert_close(head.forward(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    x = randn(4, H, seed=70)
-    w.mul_(2)  # in place: the copy is stale
-    with active(make_batch([1] * 4, "decode")):
-        torch.testing.assert_close(head.forward(x), F.linear(x, w), msg=lambda m: (
-            "after an in-place change of the weight the LM head must not use its old copy\n" + m))
-    assert head.packed_bytes == 0, "a stale copy must be dropped, not kept alive"
-    head.weight = randn(V, H, seed=71)  # replaced: also stale
-    with active(make_batch([1] * 4, "decode")):
-        torch.testing.assert_close(head.forward(x), F.linear(x, head.weight))
 
 
 def test_lm_head_tied_uses_embedding_weight():

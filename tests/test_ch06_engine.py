@@ -17,9 +17,9 @@ import pathlib
 
 import pytest
 import torch
-from helpers import SMOL, TINY_MODELS, hf_greedy, hf_model, model_path, tokenizer
+from helpers import SMOL, TINY_MODELS, hf_greedy, hf_model, model_path, require_kernels, tokenizer
 
-from minisgl import core, kernel
+from minisgl import core
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.distributed import DistributedInfo, try_get_tp_info
 from minisgl.engine import BatchSamplingArgs, Engine, EngineConfig, GraphRunner, Sampler
@@ -403,33 +403,24 @@ def test_engine_layout():
     assert engine.max_seq_len == min(cfg.max_seq_len, engine.num_pages * ps)
 
 
-@pytest.mark.parametrize("cpu_kernels", [None, False], ids=["kernels", "torch-ops"])
-def test_kv_pool_budget_counts_the_weights_and_the_lm_head_copy(monkeypatch, cpu_kernels):
-    """With no num_page_override the pool gets memory_ratio of the free memory minus everything
-    the model holds: each distinct state-dict tensor once, plus the LM head's oneDNN copy (made
-    only when chapter 07's kernels are off: their matmul reads the table itself)."""
+def test_kv_pool_budget_counts_the_weights(monkeypatch):
+    """With no num_page_override the pool gets memory_ratio of the free memory minus the weights:
+    each distinct state-dict tensor once (a tied LM head shares the embedding's)."""
     import minisgl.engine.engine as engine_module
-    from minisgl import kernel
 
     free = 256 << 20
     monkeypatch.setattr(engine_module, "available_memory", lambda device: free)
     _shutdown_live()
     engine = Engine(make_config("tiny-llama", num_page_override=None, memory_ratio=0.5,
-                                max_seq_len_override=1 << 20, cpu_kernels=cpu_kernels))
+                                max_seq_len_override=1 << 20))
     try:
         weights = sum(t.numel() * t.element_size() for t in
                       {id(t): t for t in engine.model.state_dict().values()}.values())
-        packed = engine.model.lm_head.packed_bytes
-        if kernel.enabled():
-            assert packed == 0, "with the kernels on, the LM head needs no oneDNN copy"
-        elif torch.backends.mkldnn.is_available():
-            assert packed == engine.model.lm_head.weight.numel() * 4, (
-                "tiny-llama's untied float32 LM head should hold a oneDNN copy on this CPU")
         per_page = engine.config.kv_cache_bytes_per_page
-        want = int((0.5 * free - weights - packed) // per_page)
+        want = int((0.5 * free - weights) // per_page)
         assert engine.num_pages == want, (
             f"the KV pool has {engine.num_pages} pages; 0.5 x {free} bytes free minus {weights} "
-            f"bytes of weights and {packed} of the LM head's copy leaves room for {want}")
+            f"bytes of weights leaves room for {want}")
     finally:
         engine.shutdown()
 
@@ -521,22 +512,25 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
 _SMOL_RESULTS: dict = {}
 
 
-def _smol_batch_tokens() -> list[list[int]]:
-    if "batch" not in _SMOL_RESULTS:
-        engine = engine_for(SMOL)
+def _smol_batch_tokens(ops: str = "your-code") -> list[list[int]]:
+    if ops not in _SMOL_RESULTS:
+        engine = engine_for(SMOL, **({"cpu_kernels": True} if ops == "kernels" else {}))
         tok = tokenizer()
         reqs = [make_req(tok(p).input_ids, i, engine=engine) for i, p in enumerate(PROMPTS)]
-        _SMOL_RESULTS["batch"] = generate(engine, reqs, 16)
-    return _SMOL_RESULTS["batch"]
+        _SMOL_RESULTS[ops] = generate(engine, reqs, 16)
+    return _SMOL_RESULTS[ops]
 
 
-def test_smollm2_greedy_matches_hf_in_a_batch_of_four():
+@pytest.mark.parametrize("ops", ["your-code", "kernels"])
+def test_smollm2_greedy_matches_hf_in_a_batch_of_four(ops):
+    if ops == "kernels":
+        require_kernels()
     tok = tokenizer()
-    outs = _smol_batch_tokens()
+    outs = _smol_batch_tokens(ops)
     for prompt, got in zip(PROMPTS, outs):
         want = hf_greedy(SMOL, tok(prompt).input_ids, 16)
         assert got == want, (
-            f"SmolLM2, {prompt!r} in a batch of 4 prompts of different lengths: greedy tokens "
+            f"SmolLM2 ({ops}), {prompt!r} in a batch of 4 prompts of different lengths: greedy tokens "
             f"{got} differ from HF's {want} (first difference at step "
             f"{next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}); check "
             "Exercises 6.4 / 6.5")
@@ -554,17 +548,18 @@ def test_a_request_alone_equals_it_inside_the_batch():
 
 
 # ----------------------------------------------------------------------------- tiny checkpoints
-@pytest.mark.parametrize("ops", ["kernels", "torch"])
+@pytest.mark.parametrize("ops", ["your-code", "kernels"])
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_teacher_forced_logits_match_hf(name, ops, monkeypatch):
     """Two sequences of 12 tokens: prefill 5 and 8 tokens, then decode steps that feed the known
     next token; every step's logits equal HF's full-sequence logits at that position within
     atol = rtol = 1e-4 (float32 throughout; the observed differences are <= 5e-6). Run with the
-    Engine's default (chapter 07's fused C++ kernels on the CPU, where they build) and with
-    ``cpu_kernels=False`` (every layer's torch code)."""
-    engine = engine_for(name, **({} if ops == "kernels" else {"cpu_kernels": False}))
-    if ops == "torch":
-        assert not kernel.enabled(), "cpu_kernels=False must leave the fused kernels off"
+    Engine's default (your code of chapters 02-06) and with ``cpu_kernels=True`` (chapter 07's
+    fused C++ kernels bound onto the ops, where they build)."""
+    if ops == "kernels":
+        require_kernels()
+    engine = engine_for(name, **({"cpu_kernels": True} if ops == "kernels" else {}))
+    assert engine.config.attention_backend == ("cpp" if ops == "kernels" else "torch")
     seqs = [fixed_ids(12, seed=10), fixed_ids(12, seed=11)]
     with torch.no_grad():
         ref = [hf_model(name)(s[None].long()).logits[0].float() for s in seqs]

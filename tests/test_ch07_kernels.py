@@ -1,44 +1,39 @@
-"""Chapter 07 (d): the fused C++ kernels of ``minisgl.kernel``.
+"""Chapter 07 (d): the fused C++ kernels, a second implementation chosen once per Engine.
 
-References: the torch code each kernel replaces (the layers of chapter 02 with the kernels
-switched off), dense causal attention in float64 (chapter 05's harness), and Hugging Face's
-logits through a whole Engine (``test_ch06_engine.py`` runs its HF comparisons with the kernels
-on, the Engine's default, and with ``cpu_kernels=False``). Also: the switch (an Engine turns it
-on and off; the layers use the kernels only then), the clear errors of bad input, and the
-fallback to the torch code when the C++ cannot be built.
+References: the learner's code each kernel replaces (the ops of chapters 02 and 05 as they run
+in a default Engine), dense causal attention in float64 (chapter 05's harness), a float64
+matmul, and Hugging Face's logits and tokens through whole Engines (``test_ch06_engine.py`` runs
+its HF comparisons in both configurations). Also: ``bind`` hands each op its implementation and
+nothing else changes; a default Engine imports and compiles nothing; the build survives a killed
+builder, a truncated or corrupt library, a busy lock and a missing compiler.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
+from types import MethodType
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from helpers import model_path
+from helpers import model_path, require_kernels
 from minisgl import kernel
+from minisgl.kernel import build as kbuild
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("clean_globals")
 
 
 @pytest.fixture
-def kernels_on():
-    if not kernel.set_enabled(True):
-        pytest.skip(f"the C++ kernels cannot be built here: {kernel.unavailable_reason()}")
-    yield
-    kernel.set_enabled(False)
-
-
-def both(fn):
-    """``fn()`` with the kernels off (the torch code), then on."""
-    kernel.set_enabled(False)
-    ref = fn()
-    assert kernel.set_enabled(True)
-    return ref, fn()
+def kmod():
+    return require_kernels()
 
 
 def strided_rows(t: int, width: int, extra: int = 7, seed: int = 0) -> torch.Tensor:
@@ -49,53 +44,53 @@ def strided_rows(t: int, width: int, extra: int = 7, seed: int = 0) -> torch.Ten
 
 # ----------------------------------------------------------------------------- numerics
 @pytest.mark.parametrize("t", [1, 4, 300])  # 300 rows: parallel_for splits them over threads
-def test_fused_add_rmsnorm_equals_the_torch_code(kernels_on, t):
+def test_fused_add_rmsnorm_equals_the_learner_code(kmod, t):
     from minisgl.layers import RMSNormFused
 
-    norm = RMSNormFused(576, 1e-5)
-    norm.weight = torch.randn(576, generator=torch.Generator().manual_seed(1))
+    mine, fused = RMSNormFused(576, 1e-5), RMSNormFused(576, 1e-5)
+    mine.weight = fused.weight = torch.randn(576, generator=torch.Generator().manual_seed(1))
+    assert kernel.bind(fused) == 1, "bind should give the one RMSNormFused its kernel"
     x, res = strided_rows(t, 576, seed=2), torch.randn(t, 576)
-
-    def run(residual):
-        r = None if residual is None else residual.clone()
-        y, r2 = norm.forward(x, r)
-        return y, (x if r2 is x else r2)
-
     for residual in (None, res):
-        (y_ref, r_ref), (y, r) = both(lambda: run(residual))
+        r_ref = None if residual is None else residual.clone()
+        r_got = None if residual is None else residual.clone()
+        y_ref, r_ref = mine.forward(x, r_ref)
+        y, r_got = fused.forward(x, r_got)
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(r, r_ref, atol=0, rtol=0)  # the add itself is exact
+        torch.testing.assert_close(r_got, r_ref, atol=0, rtol=0)  # the add itself is exact
+        if residual is None:
+            assert r_got is x, "the first call's input becomes the residual stream"
 
 
 @pytest.mark.parametrize("t", [1, 4, 300])
-def test_silu_and_mul_equals_the_torch_code(kernels_on, t):
+def test_silu_and_mul_equals_the_learner_code(kmod, t):
     from minisgl.layers import silu_and_mul
 
     x = strided_rows(t, 2 * 1536, seed=3) * 4
-    ref, got = both(lambda: silu_and_mul(x))
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel.silu_and_mul(x), silu_and_mul(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["q-and-k-adjacent", "separate"])
 @pytest.mark.parametrize("t", [1, 5, 300])
-def test_rope_equals_the_torch_code(kernels_on, fused, t):
+def test_rope_equals_the_learner_code(kmod, fused, t):
     from minisgl.layers import get_rope
 
     rope = get_rope(64, 64, 4096, 10000.0)
     hq, hkv, d = 9, 3, 64
-    positions = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(4))
+    positions = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(4)).int()
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(5))
 
-    def run():
+    def run(forward):
         buf = qkv.clone()
         if fused:  # views of one fused tensor: rotated in one pass
             q, k, _ = buf.split([hq * d, hkv * d, hkv * d], dim=-1)
         else:
             q, k = buf[:, : hq * d].clone(), buf[:, hq * d: (hq + hkv) * d].clone()
-        q, k = rope.forward(positions.int(), q, k)
+        q, k = forward(positions, q, k)
         return torch.cat([q, k], dim=1), buf[:, (hq + hkv) * d:]
 
-    (qk_ref, v_ref), (qk, v) = both(run)
+    qk_ref, v_ref = run(rope.forward)
+    qk, v = run(MethodType(kernel._rope_forward, rope))
     torch.testing.assert_close(qk, qk_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(v, v_ref), "rope must not touch v, which follows k in the fused qkv"
 
@@ -104,59 +99,75 @@ def test_rope_equals_the_torch_code(kernels_on, fused, t):
                                                                            "one-token"])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("n_dummy", [0, 2])
-def test_decode_attention_equals_dense_attention(kernels_on, lengths, hq, hkv, n_dummy):
-    """Through chapter 05's harness: scattered pages of 4 slots, GQA, ragged lengths and padding
-    dummies; every real row equals float64 dense causal attention, and no slot outside
-    out_loc changes."""
+def test_cpp_backend_decode_equals_dense_attention(kmod, lengths, hq, hkv, n_dummy):
+    """Through chapter 05's harness with backend "cpp": scattered pages of 4 slots, GQA, ragged
+    lengths and padding dummies; every real row equals float64 dense causal attention, the
+    kernel ran once per layer, and K/V went into the pool through ``store_kv`` only."""
     from test_ch05_attention import NUM_LAYERS, make_env, run_and_compare
 
-    env = make_env(hq, hkv, 32, ps=4, seed=len(lengths) + hq + n_dummy)
+    env = make_env(hq, hkv, 32, ps=4, seed=len(lengths) + hq + n_dummy, backend="cpp")
     reqs = [env.add_req(n - 1, n) for n in lengths]
     batch = env.make_batch(reqs, "decode", n_dummy=n_dummy)
-    calls = []
-    real = kernel.store_and_decode_attention
-    before = env.pool._kv_buffer.clone()
+    calls = {"decode_attention": 0, "store_kv": 0}
+    real_attn, real_store = env.backend._module, env.pool.store_kv
 
-    def spy(*args):
-        calls.append(1)
-        return real(*args)
+    class Spy:
+        def decode_attention(self, *args):
+            calls["decode_attention"] += 1
+            return real_attn.decode_attention(*args)
 
-    kernel.store_and_decode_attention = spy
-    try:
-        run_and_compare(env, batch, what=f"the fused decode kernel, lengths {lengths}, Hq={hq}, "
-                                         f"Hkv={hkv}, {n_dummy} dummies")
-    finally:
-        kernel.store_and_decode_attention = real
-    assert len(calls) == NUM_LAYERS, "the decode batch did not go through the kernel"
-    touched = torch.zeros(env.pool.num_slots, dtype=torch.bool)
-    touched[batch.out_loc.long()] = True
-    now = env.pool._kv_buffer.view(2, NUM_LAYERS, -1, env.hkv, env.d)
-    was = before.view(2, NUM_LAYERS, -1, env.hkv, env.d)
-    assert torch.equal(now[:, :, ~touched], was[:, :, ~touched]), "a slot outside out_loc changed"
+    def store_spy(*args):
+        calls["store_kv"] += 1
+        return real_store(*args)
+
+    env.backend._module, env.pool.store_kv = Spy(), store_spy
+    run_and_compare(env, batch, what=f"the 'cpp' backend's decode kernel, lengths {lengths}, "
+                                     f"Hq={hq}, Hkv={hkv}, {n_dummy} dummies")
+    assert calls == {"decode_attention": NUM_LAYERS, "store_kv": NUM_LAYERS}, (
+        f"each layer should store through the pool, then call the kernel once: {calls}")
 
 
-# ----------------------------------------------------------------------------- bad input
+def test_cpp_backend_prefill_is_chapter_05s(kmod):
+    """A prefill (with a cached prefix) through backend "cpp" is the TorchBackend's code."""
+    from test_ch05_attention import make_env, run_and_compare
+
+    env = make_env(8, 2, 16, ps=4, seed=3, backend="cpp")
+    reqs = [env.add_req(0, 9), env.add_req(4, 11)]
+    run_and_compare(env, env.make_batch(reqs, "prefill"), what="the 'cpp' backend's prefill")
+
+
 # rows: 1..16 in chunks of 4 plus a remainder; (N, K): whole tiles and 16-float chunks, a short
 # last tile (N % 4) and a K % 16 tail, SmolLM2's gate_up and LM-head-like widths
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("n,k", [(3072, 576), (577, 33), (6, 15), (1, 7)])
-def test_linear_equals_a_float64_matmul(kernels_on, m, n, k):
+def test_linear_equals_a_float64_matmul(kmod, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k + 5, generator=g)[:, 2: 2 + k]  # rows inside wider rows
     w = torch.randn(n, k + 3, generator=g)[:, :k]  # weight rows with a stride > k
     b = torch.randn(n, generator=g)
     ref = x.double() @ w.double().T
     for bias, want in [(None, ref), (b, ref + b.double())]:
-        y = kernel.linear(x, w, bias)
+        y = kernel.small_batch_linear(x, w, bias)
         assert y.shape == (m, n) and y.dtype == torch.float32
         err = (y.double() - want).abs().max().item()
         assert err < 1e-4 * (1 + want.abs().max().item()), (
             f"linear({m}x{k} @ {n}x{k}, bias={bias is not None}) is {err:.2e} off float64")
 
 
+def test_small_batch_linear_hands_a_prefill_to_mkl(kmod, monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernel, "_MODULE", type("Spy", (), {
+        "linear": staticmethod(lambda *a: calls.append(a[0].shape[0]) or kmod.linear(*a))})())
+    w = torch.randn(96, 64)
+    for rows in (1, kernel.LINEAR_MAX_ROWS, kernel.LINEAR_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(kernel.small_batch_linear(x, w), F.linear(x, w))
+    assert calls == [1, kernel.LINEAR_MAX_ROWS], f"rows sent to the kernel: {calls}"
+
+
 @pytest.mark.parametrize("flags,lanes", [(["-O3"], 4), (["-O3", "-mavx2", "-mfma", "-fopenmp"], 8)],
                          ids=["4-lanes-no-openmp", "8-lanes"])
-def test_linear_with_narrower_vectors(kernels_on, flags, lanes):
+def test_linear_with_narrower_vectors(kmod, flags, lanes):
     """``linear``'s vector follows the compiler's target: 16 floats with AVX-512, 8 with AVX2,
     4 otherwise (SSE, an ARM laptop's NEON). Build the narrower ones here and check them too."""
     import platform
@@ -164,7 +175,7 @@ def test_linear_with_narrower_vectors(kernels_on, flags, lanes):
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the flags below are x86 ones")
     try:
-        mod = kernel._build(flags)
+        mod = kbuild.load_or_build(flags)
     except Exception as e:  # a compiler without these flags: nothing to check here
         pytest.skip(f"cannot build with {flags}: {e}")
     assert mod.vector_lanes() == lanes, f"{flags} should give {lanes}-float vectors"
@@ -177,25 +188,8 @@ def test_linear_with_narrower_vectors(kernels_on, flags, lanes):
             f"{lanes}-lane linear({m}x{k} @ {n}x{k}) is {err:.2e} off float64")
 
 
-def test_the_linear_layers_and_lm_head_use_the_kernel_for_a_few_rows(kernels_on):
-    from minisgl.layers.linear import input_major, matmul
-
-    w, b = torch.randn(96, 64), torch.randn(96)
-    for rows in (1, 4, kernel.LINEAR_MAX_ROWS):
-        x = torch.randn(rows, 64)
-        assert kernel.linear_applies(x, w)
-        assert torch.allclose(matmul(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5)
-    big = torch.randn(kernel.LINEAR_MAX_ROWS + 1, 64)
-    assert not kernel.linear_applies(big, w), "a prefill's many rows go to MKL"
-    assert not kernel.linear_applies(big[:2], input_major(w)), (
-        "an input-major weight (stride(0) == 1) must go to F.linear, not the kernel")
-    assert not kernel.linear_applies(big[:2], w.double())
-    kernel.set_enabled(False)
-    assert not kernel.linear_applies(big[:2], w), "switched off: F.linear"
-
-
-def test_bad_input_gets_a_clear_error(kernels_on):
-    m = kernel.load()
+def test_bad_input_gets_a_clear_error(kmod):
+    m = kmod
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError, match="float32"):
         m.rmsnorm(x.double(), torch.ones(8, dtype=torch.float64), 1e-6)
@@ -210,15 +204,13 @@ def test_bad_input_gets_a_clear_error(kernels_on):
     with pytest.raises(RuntimeError, match="int32 or int64"):
         m.rope_inplace(torch.tensor([5.0, 9.0]), torch.randn(2, 8), torch.randn(10, 8), 8)
     k_cache = torch.zeros(16, 8)
-    q, k, v = torch.randn(1, 16), torch.randn(1, 8), torch.randn(1, 8)
-    one = torch.tensor([1])
-    with pytest.raises(RuntimeError, match="outside the pool"):
-        m.store_and_decode_attention(q, k, v, k_cache, k_cache.clone(), torch.tensor([16]),
-                                     torch.tensor([0, 1]), one, 2, 8)
+    q = torch.randn(1, 16)
     with pytest.raises(RuntimeError, match="kv slot 40 is outside the pool"):
-        m.store_and_decode_attention(q, k, v, k_cache, k_cache.clone(), one,
-                                     torch.tensor([40, 1]), torch.tensor([2]), 2, 8)
-    assert torch.equal(k_cache, torch.zeros(16, 8)), "a refused call must not write the pool"
+        m.decode_attention(q, k_cache, k_cache.clone(), torch.tensor([40, 1]),
+                           torch.tensor([2]), 2, 8)
+    with pytest.raises(RuntimeError, match="seq_len 3 must be in 1..2"):
+        m.decode_attention(q, k_cache, k_cache.clone(), torch.tensor([0, 1]),
+                           torch.tensor([3]), 2, 8)
     with pytest.raises(RuntimeError, match="input-major weight"):
         m.linear(x, torch.randn(8, 3).t(), None)  # [3, 8] stored input-major
     with pytest.raises(RuntimeError, match=r"the weight must be \[out_features, 8\]"):
@@ -227,47 +219,55 @@ def test_bad_input_gets_a_clear_error(kernels_on):
         m.linear(x, torch.randn(3, 8), torch.randn(4))
 
 
-# ----------------------------------------------------------------------------- the switch
-def test_layers_use_the_kernels_only_when_switched_on():
-    from minisgl.layers import RMSNormFused
-
-    norm = RMSNormFused(8, 1e-6)
-    norm.weight = torch.ones(8)
-    x = torch.randn(3, 8)
-    kernel.set_enabled(False)
-    assert not kernel.applies(x)
-    if kernel.set_enabled(True):
-        assert kernel.applies(x)
-        assert not kernel.applies(x.double()) and not kernel.applies(x.t()), (
-            "float64 or column-strided rows must keep the torch code")
-        kernel.set_enabled(False)
-        assert not kernel.applies(x)
-
-
-def test_an_engine_runs_every_kernel_in_each_step_and_switches_them_off_after():
-    """A decode step of tiny-qwen2 (2 layers) calls each kernel once per layer (the norms twice,
-    plus the final norm); shutdown switches the kernels off; ``cpu_kernels=False`` keeps them
-    off."""
-    from minisgl.core import Req, SamplingParams
+# ----------------------------------------------------------------------------- the choice
+def _config(name="tiny-qwen2", **kw):
     from minisgl.distributed import DistributedInfo
-    from minisgl.engine import Engine, EngineConfig
+    from minisgl.engine import EngineConfig
+
+    args = dict(model_path=str(model_path(name)), tp_info=DistributedInfo(0, 1),
+                dtype=torch.float32, max_running_req=2, num_page_override=64,
+                max_seq_len_override=32)
+    return EngineConfig(**{**args, **kw})
+
+
+def _two_reqs(engine):
+    from minisgl.core import Req, SamplingParams
+
+    reqs = []
+    for row in range(2):
+        engine.page_table[row, :32] = torch.arange(row * 32, row * 32 + 32)
+        reqs.append(Req(input_ids=torch.tensor([5, 6, 7 + row], dtype=torch.int32),
+                        table_idx=row, cached_len=0, output_len=4, uid=row,
+                        sampling_params=SamplingParams(max_tokens=4)))
+    return reqs
+
+
+def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmod):
+    """``cpu_kernels=True``: backend "cpp", each op holds its kernel (the classes keep the
+    learner's code), weights keep the checkpoint's layout, and a decode step of tiny-qwen2 (2
+    layers) calls each kernel once per layer (the norms twice, plus the final norm), with K/V
+    stored through the pool's ``store_kv``."""
+    from minisgl.engine import Engine
+    from minisgl.layers import RMSNormFused, RotaryEmbedding
 
     from benchmarks.measure import run_step
 
-    def config(**kw):
-        return EngineConfig(model_path=str(model_path("tiny-qwen2")),
-                            tp_info=DistributedInfo(0, 1), dtype=torch.float32,
-                            max_running_req=2, num_page_override=64, max_seq_len_override=32, **kw)
-
-    engine = Engine(config())
+    engine = Engine(_config(cpu_kernels=True))
     try:
-        if not kernel.enabled():
-            pytest.skip(f"the C++ kernels cannot be built here: {kernel.unavailable_reason()}")
+        assert engine.config.attention_backend == "cpp"
+        layer = engine.model.model.layers.op_list[0]
+        assert layer.input_layernorm.forward.__func__ is kernel._rmsnorm_fused_forward
+        assert RMSNormFused.forward is not kernel._rmsnorm_fused_forward, "the class is unchanged"
+        assert layer.self_attn.attn.rotary.forward.__func__ is kernel._rope_forward
+        assert layer.mlp._act_fn is kernel.silu_and_mul
+        assert layer.self_attn.qkv_proj._matmul is kernel.small_batch_linear
+        assert engine.model.lm_head._matmul is kernel.small_batch_linear
+        assert layer.self_attn.qkv_proj.weight.stride(1) == 1, "the checkpoint's [out, in] rows"
         layers = len(engine.model.model.layers.op_list)
         names = ["rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rope_inplace",
-                 "store_and_decode_attention", "linear"]
-        counts = dict.fromkeys(names, 0)
-        real = kernel._MODULE
+                 "decode_attention", "linear"]
+        counts = dict.fromkeys(names + ["store_kv"], 0)
+        real, real_store = kernel._MODULE, engine.kv_cache.store_kv
 
         class Spy:
             def __getattr__(self, name):
@@ -276,123 +276,170 @@ def test_an_engine_runs_every_kernel_in_each_step_and_switches_them_off_after():
                     return getattr(real, name)(*args)
                 return call
 
-        reqs = []
-        for row in range(2):
-            engine.page_table[row, :32] = torch.arange(row * 32, row * 32 + 32)
-            reqs.append(Req(input_ids=torch.tensor([5, 6, 7 + row], dtype=torch.int32),
-                            table_idx=row, cached_len=0, output_len=4, uid=row,
-                            sampling_params=SamplingParams(max_tokens=4)))
+        def store_spy(*args):
+            counts["store_kv"] += 1
+            return real_store(*args)
+
+        reqs = _two_reqs(engine)
         run_step(engine, reqs, "prefill")
-        kernel._MODULE = Spy()
+        kernel._MODULE = engine.attn_backend._module = Spy()
+        engine.kv_cache.store_kv = store_spy
         try:
             run_step(engine, reqs, "decode")
         finally:
-            kernel._MODULE = real
+            kernel._MODULE = engine.attn_backend._module = real
+            del engine.kv_cache.store_kv
         # linear: qkv, o, gate_up, down in each layer, then the LM head
         assert counts == {"rmsnorm": 1, "fused_add_rmsnorm": 2 * layers, "silu_and_mul": layers,
-                          "rope_inplace": layers, "store_and_decode_attention": layers,
-                          "linear": 4 * layers + 1}, counts
-        weights = linear_weights(engine.model)
-        assert weights and all(w.stride(1) == 1 for w in weights), (
-            "with the kernels on at load, linear weights keep the checkpoint's [out, in] rows")
-        assert engine.model.lm_head.packed_bytes == 0, "the kernel needs no oneDNN LM-head copy"
+                          "rope_inplace": layers, "decode_attention": layers,
+                          "linear": 4 * layers + 1, "store_kv": layers}, counts
     finally:
         engine.shutdown()
-    assert not kernel.enabled(), "Engine.shutdown must switch the kernels off"
-    engine = Engine(config(cpu_kernels=False))
+    # the shared rope table was copied, not changed: a default Engine built next runs 2.8
+    engine = Engine(_config())
     try:
-        assert not kernel.enabled()
-        weights = linear_weights(engine.model)
-        assert weights and all(w.stride(0) == 1 for w in weights), (
-            "with cpu_kernels=False, linear weights are stored input-major for F.linear")
+        layer = engine.model.model.layers.op_list[0]
+        assert engine.config.attention_backend == "torch"
+        assert layer.self_attn.attn.rotary.forward.__func__ is RotaryEmbedding.forward
+        assert layer.input_layernorm.forward.__func__ is RMSNormFused.forward
+        assert layer.self_attn.qkv_proj._matmul is F.linear
     finally:
         engine.shutdown()
 
 
-def linear_weights(model):
-    """The weight of every linear op under ``model`` (walking ops and their op lists)."""
-    from minisgl.layers import BaseOP
-    from minisgl.layers.linear import _LinearTPImpl
-
-    found, todo = [], [model]
-    while todo:
-        op = todo.pop()
-        if isinstance(op, _LinearTPImpl):
-            found.append(op.weight)
-            continue
-        for value in vars(op).values():
-            values = value if isinstance(value, (list, tuple)) else [value]
-            todo += [v for v in values if isinstance(v, BaseOP)]
-    return found
-
-
-def test_an_engine_that_fails_to_build_switches_the_kernels_off(monkeypatch):
-    """The Engine switches the kernels on *before* it loads the model (the linear layers pick
-    their weight layout then); if building fails afterwards, the switch must be off again."""
-    import minisgl.engine.engine as engine_module
-    from minisgl.distributed import DistributedInfo
-    from minisgl.engine import Engine, EngineConfig
-
-    if kernel.load() is None:
-        pytest.skip(f"the C++ kernels cannot be built here: {kernel.unavailable_reason()}")
-    monkeypatch.setattr(engine_module, "available_memory", lambda device: 1 << 20)
-    with pytest.raises(MemoryError):  # no room for the KV pool, after the weights loaded
-        Engine(EngineConfig(model_path=str(model_path("tiny-llama")),
-                            tp_info=DistributedInfo(0, 1), dtype=torch.float32,
-                            num_page_override=None, memory_ratio=0.5))
-    assert not kernel.enabled(), "a failed Engine must switch the kernels off"
-
-
-def test_cpu_kernels_true_needs_float32():
-    from minisgl.distributed import DistributedInfo
-    from minisgl.engine import EngineConfig
-
-    cfg = EngineConfig(model_path=str(model_path("tiny-llama")), tp_info=DistributedInfo(0, 1),
-                       dtype=torch.bfloat16, cpu_kernels=True)
-    with pytest.raises(ValueError, match="float32 only"):
-        cfg.validate()
-
-
-# ----------------------------------------------------------------------------- fallback
-FALLBACK = r"""
-import torch
-from minisgl import kernel
-from minisgl.distributed import DistributedInfo
+DEFAULT_ENGINE = r"""
+import sys, torch
 from minisgl.engine import Engine, EngineConfig
+from minisgl.distributed import DistributedInfo
 from benchmarks.measure import run_step
 from minisgl.core import Req, SamplingParams
 engine = Engine(EngineConfig(model_path=MODEL, tp_info=DistributedInfo(0, 1), dtype=torch.float32,
-                             max_running_req=1, num_page_override=64, max_seq_len_override=32))
+                             max_running_req=1, num_page_override=64, max_seq_len_override=32,
+                             cpu_kernels=KERNELS))
 engine.page_table[0, :32] = torch.arange(32)
 req = Req(input_ids=torch.tensor([5, 6, 7], dtype=torch.int32), table_idx=0, cached_len=0,
           output_len=4, uid=0, sampling_params=SamplingParams(max_tokens=4))
 toks = run_step(engine, [req], "prefill") + run_step(engine, [req], "decode")
-print("enabled", kernel.enabled(), "tokens", toks)
+print("imported", "minisgl.kernel" in sys.modules, "backend", engine.config.attention_backend,
+      "tokens", toks)
 engine.shutdown()
 """
 
 
-@pytest.mark.parametrize("how", ["MINISGL_KERNELS=0", "no compiler"])
-def test_without_the_kernels_the_engine_runs_the_torch_code(how, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if how == "no compiler":  # an empty cache and a compiler that always fails
-        env.update(MINISGL_KERNEL_CACHE=str(tmp_path / "cache"), CXX="false")
-    else:
-        env["MINISGL_KERNELS"] = "0"
-    code = FALLBACK.replace("MODEL", repr(str(model_path("tiny-llama"))))
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+def _run_engine(tmp_path, kernels: bool, **env_extra) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_extra}
+    code = DEFAULT_ENGINE.replace("MODEL", repr(str(model_path("tiny-llama")))).replace(
+        "KERNELS", repr(kernels))
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_a_default_engine_imports_and_compiles_nothing(tmp_path):
+    out = _run_engine(tmp_path, False, MINISGL_KERNEL_CACHE=str(tmp_path / "cache"), CXX="false")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "enabled False tokens" in out.stdout, out.stdout
-    if how == "no compiler":
-        assert "could not be built" in out.stderr and "C++ compiler" in out.stderr, out.stderr
-    else:
-        assert "could not be built" not in out.stderr, out.stderr
-    kernel.set_enabled(False)
-    with_torch = out.stdout.split("tokens", 1)[1].strip()
-    if kernel.load() is not None:  # the same two tokens with the kernels
-        env2 = {**os.environ, "PYTHONPATH": str(ROOT)}
-        out2 = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env2,
-                              capture_output=True, text=True, timeout=300)
-        assert out2.returncode == 0, out2.stderr[-3000:]
-        assert f"enabled True tokens {with_torch}" in out2.stdout, (out.stdout, out2.stdout)
+    assert "imported False backend torch tokens" in out.stdout, out.stdout
+    assert "minisgl.kernel" not in out.stderr and not (tmp_path / "cache").exists(), out.stderr
+
+
+def test_without_a_compiler_a_kernel_engine_says_why_and_runs_the_learner_code(kmod, tmp_path):
+    out = _run_engine(tmp_path, True, MINISGL_KERNEL_CACHE=str(tmp_path / "cache"), CXX="false")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if "could not be built" in ln]
+    assert len(lines) == 1 and "C++ compiler" in lines[0], out.stderr
+    assert "backend torch tokens" in out.stdout, out.stdout
+    with_kernels = _run_engine(tmp_path, True)  # the default cache: built by `kmod`
+    assert with_kernels.returncode == 0, with_kernels.stderr[-3000:]
+    assert "backend cpp tokens" in with_kernels.stdout
+    assert out.stdout.split("tokens")[1] == with_kernels.stdout.split("tokens")[1], (
+        out.stdout, with_kernels.stdout)
+
+
+def test_cpu_kernels_is_validated():
+    with pytest.raises(ValueError, match="float32 only"):
+        _config(cpu_kernels=True, dtype=torch.bfloat16).validate()
+    with pytest.raises(TypeError, match="use True .* or False"):
+        _config(cpu_kernels=None).validate()
+
+
+# ----------------------------------------------------------------------------- the build
+BUILD = r"""
+import sys
+from minisgl.kernel import build
+mod = build.load_or_build(["-O3"])
+print("lanes", mod.vector_lanes(), "ok")
+"""
+
+
+def _build_proc(cache: pathlib.Path, **env_extra) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MINISGL_KERNEL_CACHE": str(cache),
+           **env_extra}
+    return subprocess.Popen([sys.executable, "-c", BUILD], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _folder(cache: pathlib.Path) -> pathlib.Path:
+    return cache / kbuild.build_key(kbuild.SOURCE.read_bytes(), ["-O3"])
+
+
+def test_a_killed_build_a_truncated_and_a_corrupt_library_all_end_in_a_working_build(kmod,
+                                                                                     tmp_path):
+    """A builder killed while compiling holds no lock: the next one rebuilds at once. A library
+    cut short (a full disk) or with changed bytes is never loaded (it could kill the process):
+    it is deleted and rebuilt."""
+    cache = tmp_path / "cache"
+    first = _build_proc(cache)
+    deadline = time.monotonic() + 120
+    while not list(_folder(cache).glob("build-*/*.ninja")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert first.poll() is None, f"the first build ended early: {first.communicate()}"
+    time.sleep(3)  # the compiler is running now
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    t0 = time.monotonic()
+    second = _build_proc(cache)
+    out, err = second.communicate(timeout=600)
+    assert second.returncode == 0 and "ok" in out, err[-3000:]
+    assert "waiting for" not in err, "a killed builder must not be waited for"
+    print(f"rebuilt after a killed build in {time.monotonic() - t0:.0f} s")
+    lib = next(_folder(cache).glob("*.so"))
+    assert kbuild._verified(_folder(cache), lib.stem) == lib
+    assert not list(_folder(cache).glob("build-*")), "the killed build's folder is cleaned up"
+    assert oct(_folder(cache).stat().st_mode & 0o777) == "0o700", "the cache is private"
+
+    good = lib.read_bytes()
+    corrupt = bytearray(good)
+    corrupt[len(good) // 2: len(good) // 2 + 64] = b"\xff" * 64
+    lib.write_bytes(bytes(corrupt))
+    assert kbuild._verified(_folder(cache), lib.stem) is None, "changed bytes must be refused"
+
+    lib.write_bytes(good[: len(good) // 3])  # truncated
+    assert kbuild._verified(_folder(cache), lib.stem) is None
+    third = _build_proc(cache)
+    out, err = third.communicate(timeout=600)
+    assert third.returncode == 0 and "ok" in out, (
+        f"a truncated library must be rebuilt, not loaded (rc {third.returncode}): {err[-3000:]}")
+    assert "compiling" in err, "the truncated library should have been rebuilt"
+    assert lib.read_bytes() != good[: len(good) // 3]
+
+
+def test_a_live_builder_is_waited_for_then_the_wait_ends_with_a_message(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    folder = kbuild._private_dir(kbuild._private_dir(cache) / kbuild.build_key(
+        kbuild.SOURCE.read_bytes(), ["-O3"]))
+    monkeypatch.setenv("MINISGL_KERNEL_CACHE", str(cache))
+    monkeypatch.setenv("MINISGL_KERNEL_LOCK_TIMEOUT", "1")
+    with open(folder / "build.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("process 12345")
+        held.flush()
+        with pytest.raises(kbuild.KernelBuildError, match=r"process 12345 has been building .* "
+                                                          r"MINISGL_KERNEL_CACHE"):
+            kbuild.load_or_build(["-O3"])
+
+
+def test_the_cache_is_private(tmp_path, monkeypatch):
+    cache = tmp_path / "shared-cache"
+    cache.mkdir(mode=0o777)
+    cache.chmod(0o777)
+    kbuild._private_dir(cache)
+    assert cache.stat().st_mode & 0o077 == 0, "a cache others can write to must be made private"

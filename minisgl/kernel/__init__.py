@@ -24,7 +24,7 @@ from types import MethodType, ModuleType
 import torch
 import torch.nn.functional as F
 
-from .build import KernelBuildError, build, cache_dir
+from .build import KernelBuildError, cache_dir, load_or_build
 
 _MODULE: ModuleType | None = None
 _FAILED: str | None = None  # why the build failed (not retried in this process)
@@ -41,7 +41,7 @@ def load() -> ModuleType | None:
     errors = []
     for flags in (FLAGS, ["-O3"]):  # some compilers reject -march=native or -fopenmp
         try:
-            _MODULE = build(flags)
+            _MODULE = load_or_build(flags)
             return _MODULE
         except KernelBuildError as e:  # a busy or foreign cache: a clear message already
             errors.append(str(e))

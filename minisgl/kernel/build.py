@@ -154,7 +154,7 @@ def _compile(name: str, folder: Path, flags: List[str]) -> ModuleType:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def build(flags: List[str]) -> ModuleType:
+def load_or_build(flags: List[str]) -> ModuleType:
     """The compiled module for ``flags``: a verified cached library, or a fresh build."""
     source = SOURCE.read_bytes()
     key = build_key(source, flags)
