@@ -21,7 +21,6 @@ $(STAMP): pyproject.toml tools/bootstrap.sh
 
 models: setup
 	@$(VPY) tools/prepare_models.py
-	@$(VPY) -c "from minisgl import kernel; kernel.load()"   # compile the C++ kernels once
 
 milestone: models
 	@$(VPY) examples/stage1_milestone.py

@@ -4,6 +4,8 @@
 in one batch) and compares every request's 16 greedy tokens with Hugging Face's `generate`: that
 comparison, printed by the script, is the independent reference checked here. The test also
 recomputes the number of KV slots written from the tokenizer, and checks every line's format.
+It runs twice: as written (the default Engine: the learner's code) and with the one change
+``cpu_kernels=True`` (chapter 07's fused kernels, attention backend "cpp").
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ PROMPTS = ["The capital of France is", "List three prime numbers:", "def fibonac
 NEW_TOKENS = 16
 EARLIER = ("01", "02", "03", "04", "05", "06")
 
-ENGINE_LINE = re.compile(r"the real structure: cpu, attention backend torch, KV pool 1024 pages, "
-                         r"\d+ threads \(set by the Engine itself\)")
+ENGINE_LINE = {config: re.compile(rf"the real structure: cpu, attention backend {backend}, KV "
+                                  r"pool 1024 pages, \d+ threads \(set by the Engine itself\)")
+               for config, backend in (("default", "torch"), ("cpu_kernels", "cpp"))}
+KERNEL_SWITCH = ("max_seq_len_override=256))", "max_seq_len_override=256, cpu_kernels=True))")
 SINGLE_LINE = re.compile(r"single request: (['\"]).*\1")
 TIMING_LINE = re.compile(r"  prefill \d+ ms, decode \d+ ms per step \(\d+\.\d tokens/s\)")
 BATCH_LINE = re.compile(r"4 requests in one batch: prefill \d+ ms, decode \d+ ms per step "
@@ -62,25 +66,36 @@ def earlier_chapters():
     require(*ready)
 
 
-@pytest.fixture(scope="module")
-def run():
-    """Run the script once for the whole file: (stdout lines, a report to show on failure)."""
+@pytest.fixture(scope="module", params=["default", "cpu_kernels"])
+def run(request, tmp_path_factory):
+    """Run the script once per configuration: (process, stdout lines, a report on failure)."""
     quick_check()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
+    script = str(SCRIPT.relative_to(ROOT))
+    if request.param == "cpu_kernels":
+        from helpers import require_kernels
+
+        require_kernels()
+        text = SCRIPT.read_text(encoding="utf-8")
+        assert text.count(KERNEL_SWITCH[0]) == 1, "the script's EngineConfig line changed"
+        copy = tmp_path_factory.mktemp("milestone") / "stage1_milestone_kernels.py"
+        copy.write_text(text.replace(*KERNEL_SWITCH), encoding="utf-8")
+        script = str(copy)
     try:
-        proc = subprocess.run([sys.executable, str(SCRIPT.relative_to(ROOT))], cwd=ROOT, env=env,
+        proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300, check=False)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"examples/stage1_milestone.py ran for more than 300 s; partial output:\n"
                     f"{e.stdout or ''}\n{e.stderr or ''}", pytrace=False)
-    report = (f"\n--- exit code {proc.returncode}\n--- stdout:\n{proc.stdout}\n"
+    report = (f"\n--- configuration: {request.param}\n--- exit code {proc.returncode}\n"
+              f"--- stdout:\n{proc.stdout}\n"
               f"--- stderr (last 4000 characters):\n{proc.stderr[-4000:]}")
-    return proc, proc.stdout.splitlines(), report
+    return proc, proc.stdout.splitlines(), report, request.param
 
 
 def test_script_exits_cleanly(run):
-    proc, _, report = run
+    proc, _, report, _ = run
     stub = re.search(r"NotImplementedError: (Exercise \d+\.\d+): (.*)", proc.stderr)
     if stub:
         pytest.fail(f"{stub[1]} is not done yet ({stub[2]}): the milestone script reached its "
@@ -92,14 +107,14 @@ def test_script_exits_cleanly(run):
 
 
 def test_engine_line(run):
-    _, lines, report = run
-    assert lines and ENGINE_LINE.fullmatch(lines[0]), (
-        "the first line should describe the Engine: CPU, the torch attention backend, a pool of "
+    _, lines, report, config = run
+    assert lines and ENGINE_LINE[config].fullmatch(lines[0]), (
+        f"the first line should describe the Engine: CPU, the {'cpp' if config != 'default' else 'torch'} attention backend, a pool of "
         "1024 pages (num_page_override) and the thread count:" + report)
 
 
 def test_single_request_lines(run):
-    _, lines, report = run
+    _, lines, report, config = run
     i = next((i for i, line in enumerate(lines) if line.startswith("single request:")), None)
     assert i is not None and SINGLE_LINE.fullmatch(lines[i]), (
         "missing or malformed 'single request: <text>' line:" + report)
@@ -109,7 +124,7 @@ def test_single_request_lines(run):
 
 
 def test_batch_line(run):
-    _, lines, report = run
+    _, lines, report, config = run
     assert sum(bool(BATCH_LINE.fullmatch(line)) for line in lines) == 1, (
         "expected one '4 requests in one batch: ...' line in the script's format:" + report)
 
@@ -117,7 +132,7 @@ def test_batch_line(run):
 def test_pool_line_counts_the_slots_written(run):
     from transformers import AutoTokenizer
 
-    _, lines, report = run
+    _, lines, report, config = run
     found = [m for m in map(POOL_LINE.fullmatch, lines) if m]
     assert len(found) == 1, "expected one 'KV pool: N / 1024 pages written' line:" + report
     tok = AutoTokenizer.from_pretrained(model_dir())
@@ -130,7 +145,7 @@ def test_pool_line_counts_the_slots_written(run):
 
 
 def test_every_request_matches_hf(run):
-    _, lines, report = run
+    _, lines, report, config = run
     verdicts = [line for line in lines if "matches HF:" in line]
     assert len(verdicts) == len(PROMPTS), (
         f"expected {len(PROMPTS)} 'matches HF' lines, one per prompt, found {len(verdicts)}:"
@@ -143,7 +158,7 @@ def test_every_request_matches_hf(run):
 
 
 def test_alone_equals_batched(run):
-    _, lines, report = run
+    _, lines, report, config = run
     assert lines and lines[-1].startswith(IDENTITY_PREFIX), (
         "the last line should compare the first request alone and inside the batch:" + report)
     assert lines[-1] == IDENTITY_PREFIX + "True", (

@@ -235,6 +235,47 @@ def case_cpu_kernels_not_float32(tmp_path, engine):
     _engine(cpu_kernels=True, dtype=torch.bfloat16)
 
 
+def case_cpu_kernels_not_bool(tmp_path, engine):
+    _engine(cpu_kernels=None)
+
+
+def case_cpp_backend_without_kernels(tmp_path, engine):
+    import minisgl.kernel as kernel
+
+    saved = kernel._MODULE, kernel._FAILED
+    kernel._MODULE, kernel._FAILED = None, "no compiler (simulated)"
+    try:
+        from minisgl.kernel.attention import CppDecodeBackend
+
+        CppDecodeBackend(None)
+    finally:
+        kernel._MODULE, kernel._FAILED = saved
+
+
+def case_kernel_build_busy(tmp_path, engine):
+    import fcntl
+    import os
+
+    import minisgl.kernel  # noqa: F401
+
+    kb = sys.modules["minisgl.kernel.build"]  # the module (the package exports no `build`)
+    cache = tmp_path / "kcache"
+    folder = kb._private_dir(kb._private_dir(cache) / kb.build_key(kb.SOURCE.read_bytes(),
+                                                                   ["-O3"]))
+    old = {k: os.environ.get(k) for k in ("MINISGL_KERNEL_CACHE", "MINISGL_KERNEL_LOCK_TIMEOUT")}
+    os.environ.update(MINISGL_KERNEL_CACHE=str(cache), MINISGL_KERNEL_LOCK_TIMEOUT="0.5")
+    try:
+        with open(folder / "build.lock", "a+") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            kb.load_or_build(["-O3"])
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def case_context_page_size_zero(tmp_path, engine):
     from minisgl.core import Context
 
