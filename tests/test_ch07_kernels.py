@@ -378,7 +378,7 @@ def _build_proc(cache: pathlib.Path, **env_extra) -> subprocess.Popen:
 
 
 def _folder(cache: pathlib.Path) -> pathlib.Path:
-    return cache / kbuild.build_key(kbuild.SOURCE.read_bytes(), ["-O3"])
+    return cache / kbuild.build_key(kbuild.source_bytes(), ["-O3"])
 
 
 def test_a_killed_build_a_truncated_and_a_corrupt_library_all_end_in_a_working_build(kmod,
@@ -425,7 +425,7 @@ def test_a_killed_build_a_truncated_and_a_corrupt_library_all_end_in_a_working_b
 def test_a_live_builder_is_waited_for_then_the_wait_ends_with_a_message(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     folder = kbuild._private_dir(kbuild._private_dir(cache) / kbuild.build_key(
-        kbuild.SOURCE.read_bytes(), ["-O3"]))
+        kbuild.source_bytes(), ["-O3"]))
     monkeypatch.setenv("MINISGL_KERNEL_CACHE", str(cache))
     monkeypatch.setenv("MINISGL_KERNEL_LOCK_TIMEOUT", "1")
     with open(folder / "build.lock", "a+") as held:

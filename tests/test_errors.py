@@ -260,7 +260,7 @@ def case_kernel_build_busy(tmp_path, engine):
 
     kb = sys.modules["minisgl.kernel.build"]  # the module (the package exports no `build`)
     cache = tmp_path / "kcache"
-    folder = kb._private_dir(kb._private_dir(cache) / kb.build_key(kb.SOURCE.read_bytes(),
+    folder = kb._private_dir(kb._private_dir(cache) / kb.build_key(kb.source_bytes(),
                                                                    ["-O3"]))
     old = {k: os.environ.get(k) for k in ("MINISGL_KERNEL_CACHE", "MINISGL_KERNEL_LOCK_TIMEOUT")}
     os.environ.update(MINISGL_KERNEL_CACHE=str(cache), MINISGL_KERNEL_LOCK_TIMEOUT="0.5")

@@ -323,7 +323,7 @@ SOLUTION_FAILURES = {
                           'no test cell; add a code cell calling `run_chapter_tests("01")`'),
     "append-flag": (["%%writefile -a ../minisgl/ops.py\nx = 1\n"], True, "-a` (append)"),
     "outside-minisgl": (["%%writefile ../other/x.py\nx = 1\n"], True, "under ../minisgl/"),
-    "not-py": (["%%writefile ../minisgl/x.txt\nx = 1\n"], True, "must be a .py or .cpp file"),
+    "not-py": (["%%writefile ../minisgl/x.txt\nx = 1\n"], True, "must be a .py, .cpp or .h file"),
     "same-file-twice": ([OPS, OPS.replace("1.1", "1.3").replace("1.2", "1.4")], True,
                         "cell 2: minisgl/ops.py is already written by cell 1"),
     "begin-without-end": ([wf("def f():", BEGIN, "    return 1")], True,

@@ -85,7 +85,7 @@ class Generation:
 # ----------------------------------------------------------------------------- parsing
 
 
-MODULE_SUFFIXES = (".py", ".cpp")  # what a %%writefile cell may write into minisgl/
+MODULE_SUFFIXES = (".py", ".cpp", ".h")  # what a %%writefile cell may write into minisgl/
 
 
 def cell_source(cell: dict) -> str:
@@ -127,7 +127,7 @@ def parse_writefile(source: str) -> tuple[str, str, list[str]] | None:
         ):
             target = norm[3:]
         else:
-            errors.append(f"`{paths[0]}`: the target must be a .py or .cpp file under "
+            errors.append(f"`{paths[0]}`: the target must be a .py, .cpp or .h file under "
                           "../minisgl/")
     return target, body, errors
 

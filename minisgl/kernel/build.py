@@ -2,7 +2,7 @@
 """Build ``csrc.cpp`` with ``torch.utils.cpp_extension.load`` into a private cache, and load it.
 
 The cache is ``$MINISGL_KERNEL_CACHE`` or ``~/.cache/minisgl/kernels``, one folder per *key*
-(a hash of the source, the compiler flags, torch's and Python's versions and the CPU), readable
+(a hash of the sources, the compiler flags, torch's and Python's versions and the CPU), readable
 by this user only. Three rules keep a build from hanging or crashing the process:
 
 - **One builder at a time, and a dead one never blocks.** A builder holds an ``flock`` on
@@ -34,7 +34,13 @@ from typing import Iterator, List
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc.cpp")
+SOURCE = Path(__file__).with_name("csrc.cpp")  # it #includes the headers in csrc/
+
+
+def source_bytes() -> bytes:
+    """csrc.cpp and every header it may include: what the build key hashes."""
+    files = [SOURCE, *sorted(SOURCE.with_name("csrc").glob("*.h"))]
+    return b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)
 
 
 class KernelBuildError(RuntimeError):
@@ -156,8 +162,7 @@ def _compile(name: str, folder: Path, flags: List[str]) -> ModuleType:
 
 def load_or_build(flags: List[str]) -> ModuleType:
     """The compiled module for ``flags``: a verified cached library, or a fresh build."""
-    source = SOURCE.read_bytes()
-    key = build_key(source, flags)
+    key = build_key(source_bytes(), flags)
     name = f"minisgl_cpu_kernels_{key}"
     _private_dir(cache_dir())
     folder = _private_dir(cache_dir() / key)

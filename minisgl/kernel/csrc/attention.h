@@ -1,0 +1,69 @@
+// Chapter 07 (07_stage1_milestone.ipynb): decode attention over the paged KV pool.
+#pragma once
+#include "common.h"
+
+// Decode attention over the paged pool, one query per request. The caller has already written
+// this step's k, v into the pool (store_kv: the pool has one writer), so request b attends to
+// slots kv_slots[b*L .. b*L + seq_lens[b]), its new token included.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor kv_slots, torch::Tensor seq_lens, int64_t max_kv_len,
+                               int64_t head_dim) {
+  check_rows(q, "q");
+  check_rows(k_cache, "k_cache");
+  check_rows(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be contiguous "
+              "[slots, Hkv * head_dim] views of the same shape");
+  const int64_t B = q.size(0), D = head_dim, row = k_cache.size(1), S = k_cache.size(0);
+  TORCH_CHECK(D > 0 && row % D == 0 && q.size(1) % row == 0, "q [B, Hq*D] and the caches "
+              "[slots, Hkv*D] must agree with head_dim ", D, " and Hq a multiple of Hkv");
+  const int64_t Hkv = row / D, Hq = q.size(1) / D, G = Hq / Hkv, L = max_kv_len;
+  const int64_t* slots = index_ptr(kv_slots, "kv_slots");
+  const int64_t* lens = index_ptr(seq_lens, "seq_lens");
+  TORCH_CHECK(seq_lens.size(0) == B && kv_slots.size(0) == B * L, "decode metadata must have "
+              "one seq_len per request and B * L kv_slots (B=", B, ", L=", L, ")");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= L, "seq_len ", lens[b], " must be in 1..", L);
+    for (int64_t j = 0; j < lens[b]; ++j)
+      TORCH_CHECK(slots[b * L + j] >= 0 && slots[b * L + j] < S, "kv slot ", slots[b * L + j],
+                  " is outside the pool (", S, " slots)");
+  }
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  auto o = torch::empty({B, Hq * D}, q.options());
+  const float scale = 1.0f / std::sqrt((float)D);
+  const float* qp = q.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  const int64_t qs = q.stride(0);
+  // one task per (request, KV head): its G query heads read each key and value row once
+  at::parallel_for(0, B * Hkv, 4, [&](int64_t lo, int64_t hi) {
+    std::vector<float> p(G * L);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t b = task / Hkv, hk = task % Hkv, n = lens[b];
+      const int64_t* sl = slots + b * L;
+      const float* qh = qp + b * qs + hk * G * D;  // the G query heads of KV head hk
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kj = kc + sl[j] * row + hk * D;
+        for (int64_t g = 0; g < G; ++g) p[g * L + j] = dot(qh + g * D, kj, D) * scale;
+      }
+      for (int64_t g = 0; g < G; ++g) {  // softmax over the request's keys
+        float* pg = p.data() + g * L;
+        float m = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, pg[j]);
+        for (int64_t j = 0; j < n; ++j) sum += (pg[j] = std::exp(pg[j] - m));
+        for (int64_t j = 0; j < n; ++j) pg[j] /= sum;
+      }
+      float* oh = op + b * Hq * D + hk * G * D;
+      std::fill(oh, oh + G * D, 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vj = vc + sl[j] * row + hk * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = p[g * L + j];
+          float* og = oh + g * D;
+          for (int64_t d = 0; d < D; ++d) og[d] += w * vj[d];
+        }
+      }
+    }
+  });
+  return o;
+}
