@@ -81,7 +81,7 @@ def _why_not_runnable() -> str | None:
                 "(`.venv/bin/pip install -e '.[dev]'`, part of `make setup`)")
     if not CHROMIUM.exists():
         return ("Chromium is not installed at /usr/bin/chromium: to enable the browser test run "
-                "`sudo apt-get install chromium chromium-driver` (or `make setup` as root)")
+                "`sudo apt-get install chromium` (or run `make test` as root, which installs it)")
     if not JUPYTER.exists():
         return f"no JupyterLab at {JUPYTER}: run `make setup`"
     if shutil.which("git") is None or not (ROOT / ".git").exists():
