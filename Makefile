@@ -1,7 +1,9 @@
 # The workbook's commands. Run from the repository root.
-#   make milestone   set everything up (virtualenv, packages, models), then run the milestone
-#   make test        set everything up, then run every test (the command CI runs)
-# Both are idempotent: the second run skips what is done.
+#   make milestone    set up (virtualenv, packages, models), then run the milestone
+#   make test         set up, install Chromium where allowed, then run every test (what CI runs)
+#   make test CH=04   the same, for chapter 04 only: its tests, its notebooks, its wrong modules
+#   make test-quick   set up, then every test except the slow and the browser ones (a few minutes)
+# All are idempotent: a second run skips what is done. Only `make test` installs a browser.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -11,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup models milestone test lab workbook check status reset
+.PHONY: setup models milestone test test-quick browser lab workbook check status reset
 
 setup: $(STAMP)
 
@@ -27,8 +29,16 @@ milestone: models
 
 test:
 	@$(PYTHON) tools/workbook.py status   # stop before touching anything if you have local work
+	@$(MAKE) --no-print-directory models browser
+	@$(VPY) tools/test_all.py $(if $(CH),--chapter $(CH))
+
+test-quick:
+	@$(PYTHON) tools/workbook.py status
 	@$(MAKE) --no-print-directory models
-	@$(VPY) tools/test_all.py
+	@$(VPY) tools/test_all.py --quick
+
+browser:
+	@bash tools/install_browser.sh
 
 lab: models
 	$(VENV)/bin/jupyter lab --notebook-dir=.

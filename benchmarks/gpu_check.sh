@@ -19,12 +19,14 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && ! "$PY" -c "import torch" 2>/dev/null && PY=.venv/bin/python
+# pyproject.toml's addopts need pytest-socket, which the GPU image lacks (it has no network anyway)
+PYTEST=("$PY" -m pytest -o addopts=-ra -p no:cacheprovider)
 start=$SECONDS
 status=0
 
 if [ "${1:-}" = "--dry-run" ]; then
   echo "## DRY RUN (CPU): GPU tests as the CPU sees them, then the benchmark with tiny sizes"
-  timeout 120 "$PY" -m pytest tests/test_gpu.py -q -rs -p no:cacheprovider || status=$?
+  timeout 120 "${PYTEST[@]}" tests/test_gpu.py -q -rs || status=$?
   timeout 300 "$PY" benchmarks/gpu_check.py bench --device cpu --dry-run || status=$?
   echo "(dry run: exit $status, $((SECONDS - start)) s)"
   exit $status
@@ -43,7 +45,7 @@ export MINISGL_GPU_MODEL=$MODEL
 echo "model: $MODEL"
 
 echo "## tests/test_gpu.py, tests/test_fi_metadata.py"
-timeout 240 "$PY" -m pytest tests/test_gpu.py tests/test_fi_metadata.py -q -rs -p no:cacheprovider -s \
+timeout 240 "${PYTEST[@]}" tests/test_gpu.py tests/test_fi_metadata.py -q -rs -s \
   2>&1 | grep -v "Loading weights" || status=1
 echo
 timeout 180 "$PY" benchmarks/gpu_check.py bench --model "$MODEL" || status=1

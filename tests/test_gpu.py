@@ -39,8 +39,9 @@ import torch
 from helpers import ROOT
 
 DEVICE = os.environ.get("MINISGL_GPU_TEST_DEVICE", "cuda")
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                                reason="needs an NVIDIA GPU with CUDA")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                 reason="needs an NVIDIA GPU with CUDA")]
 needs_graphs = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need the GPU (dry run)")
 
 # SmolLM2's tokenizer on: "The capital of France is", "List three prime numbers:",

@@ -19,6 +19,7 @@ from helpers import ROOT
 
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT = 600
+pytestmark = pytest.mark.slow  # minutes per notebook: not in the quick tier
 
 
 def _run_twice(path):

@@ -1,9 +1,14 @@
-"""Packaging: pinned dependencies, conda and pip agree, GPU-only packages stay optional."""
+"""Packaging: pinned dependencies, conda and pip agree, GPU-only packages stay optional, and
+set-up installs only what the command needs (no browser outside `make test`)."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import tomllib
+
+import pytest
 
 from helpers import ROOT
 
@@ -29,7 +34,7 @@ def test_extras_exist_and_are_pinned():
     assert {"dev", "convert", "gpu"} <= set(extras)
     names = {_name(r) for r in extras["dev"]}
     for needed in ("jupyterlab", "ipywidgets", "matplotlib", "nbmake", "pytest", "nbformat",
-                   "tqdm", "ruff", "nbstripout"):
+                   "tqdm", "ruff", "nbstripout", "pytest-socket", "playwright"):
         assert needed in names, f"the dev extra lacks {needed}"
     assert {_name(r) for r in extras["convert"]} == {"gguf", "accelerate"}
     assert {_name(r) for r in extras["gpu"]} == {"flashinfer-python"}
@@ -82,3 +87,28 @@ def test_default_model_loads_with_plain_transformers_and_knows_paris():
     ids = tok("The capital of France is")["input_ids"]
     text = tok.decode(hf_greedy(SMOL, ids, 3))
     assert text.startswith(" Paris."), f"greedy continuation was {text!r}, expected ' Paris.'"
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+@pytest.mark.parametrize("target", ["setup", "models", "milestone", "lab", "test-quick", "test"])
+def test_only_make_test_installs_a_browser(target):
+    """`make -n` lists what a command would run: only `make test` (which runs the browser test)
+    calls tools/install_browser.sh, and the set-up script itself installs no browser."""
+    res = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=ROOT,
+                         capture_output=True, text=True, check=False, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ("install_browser.sh" in res.stdout) == (target == "test"), res.stdout
+    code = [ln for ln in (ROOT / "tools" / "bootstrap.sh").read_text().splitlines()
+            if not ln.lstrip().startswith("#")]
+    assert not [ln for ln in code if "chromium" in ln.lower()], "bootstrap.sh installs a browser"
+
+
+def test_every_test_conftest_marks_slow_exists():
+    """tests/conftest.py marks some chapter tests `slow` by name; a renamed test would silently
+    join the quick tier."""
+    from conftest import SLOW
+
+    for name, tests in SLOW.items():
+        text = (ROOT / "tests" / name).read_text()
+        for test in tests:
+            assert test == "*" or f"def {test}(" in text, f"tests/{name} has no {test}"

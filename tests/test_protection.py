@@ -43,16 +43,20 @@ def test_make_test_stops_before_touching_anything_when_you_have_local_work(tmp_p
     assert (repo / edited).read_text().endswith(("# my own line\n", " ")), "the work was touched"
 
 
-def test_status_without_nbformat_uses_the_manifest(tmp_path):
-    """Before set-up (no nbformat yet) `make test` still recognises the learner's work."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import workbook
-
+def test_status_reads_the_manifest_and_needs_no_packages(tmp_path):
+    """Before set-up (no nbformat yet) `make test` still recognises the learner's work: `status`
+    compares hashes with the manifest and runs without site-packages (`python -S`)."""
     repo = _copy_checkout(tmp_path / "repo")
-    assert workbook._status_from_manifest(repo) == ([], []), "a clean checkout shows no work"
+
+    def status():
+        res = subprocess.run([sys.executable, "-S", "tools/workbook.py", "status"], cwd=repo,
+                             capture_output=True, text=True, check=False)
+        return res.returncode, res.stdout + res.stderr
+
+    assert status() == (0, "status: clean\n"), "a clean checkout shows no work"
     with open(repo / "minisgl" / "core.py", "a") as f:
         f.write("# mine\n")
     (repo / "notebooks" / "_scratch.ipynb").write_text("{}")  # ignored: starts with _
     (repo / "minisgl" / "extra.py").write_text("# my own module\n")
-    work, _ = workbook._status_from_manifest(repo)
-    assert work == ["minisgl/core.py", "minisgl/extra.py"], work
+    code, out = status()
+    assert code == 1 and "  minisgl/core.py\n  minisgl/extra.py\nTo proceed" in out, out

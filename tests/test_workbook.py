@@ -178,6 +178,7 @@ def test_build_strips_solutions_keeps_tags_and_is_idempotent(built: Path, capsys
     assert code == 0 and "stripped" in out
     cell = load(path).cells[0]
     assert cell.outputs == [] and cell.execution_count is None and cell.metadata.tags == ["keep-me"]
+    assert cell.id == "c01-0", "stripping must keep the cell ids (the learner copies share them)"
     before = snapshot(built)
     code, out = cli(built, capsys, "build")
     assert code == 0 and "build: 0 files written" in out
@@ -281,9 +282,14 @@ CHECK_FAILURES = {
                      "minisgl/layers/norm.py: missing; run `python tools/workbook.py build`"),
     "outputs": (_nb_edit("solutions/01_ops.ipynb",
                          _set("outputs", [new_output("stream", text="x")])),
-                "solutions/01_ops.ipynb: cells 0 hold outputs"),
+                "solutions/01_ops.ipynb: holds outputs or execution counts"),
     "execution-count": (_nb_edit("notebooks/01_ops.ipynb", _set("execution_count", 3)),
-                        "notebooks/01_ops.ipynb: cells 0 have execution counts"),
+                        "notebooks/01_ops.ipynb: holds outputs or execution counts"),
+    "widget-state": (_nb_edit("solutions/01_ops.ipynb",
+                              lambda nb: nb.metadata.__setitem__("widgets", {"state": {}})),
+                     "solutions/01_ops.ipynb: holds outputs or execution counts"),
+    "not-a-notebook": (lambda r: (r / "notebooks/01_ops.ipynb").write_text("{"),
+                       "notebooks/01_ops.ipynb: not a notebook nbstripout can read"),
     "solution-text": (_nb_edit("notebooks/01_ops.ipynb", _solution_text),
                       "notebooks/01_ops.ipynb cell 2: contains the solution of exercise 1.1"),
     "solution-marker": (lambda r: edit_learner_nb(r, "    # END SOLUTION\n"),
@@ -387,7 +393,11 @@ def test_reset_backs_up_and_restores_modules(built: Path, capsys):
     assert backup.read_bytes() == mine
     assert ops.read_text() == OPS.split("\n", 1)[1]
     assert (built / "notebooks" / "01_ops.ipynb").read_bytes() == learner_nb  # untouched
-    assert (built / ".gitignore").read_text() == "*.pyc\n.workbook-backup/\n"
+    assert (built / ".gitignore").read_text() == "*.pyc"  # the backup folder ignores itself:
+    subprocess.run(["git", "init", "-q"], cwd=built, check=True)
+    untracked = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
+                               cwd=built, capture_output=True, text=True, check=True).stdout
+    assert "minisgl/ops.py" in untracked and wb.BACKUP_DIR not in untracked, untracked
 
 
 def test_reset_notebook_backs_up_and_restores_it(built: Path, capsys):

@@ -40,6 +40,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 240  # a chapter's tests take < 60 s; generous for a shared, busy 2-core machine
+pytestmark = pytest.mark.slow  # a chapter's tests per mutation: not in the quick tier
 
 # Written into the copy's root (on PYTHONPATH) and loaded with `-p`: records, at the end of the
 # session, the file of every imported minisgl module.

@@ -24,22 +24,15 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($py --version)"
   "$py" -m venv .venv
 fi
-echo "[setup] installing minisgl and its pinned dependencies into .venv (first time: about a minute)"
+echo "[setup] installing minisgl and its pinned dependencies into .venv (first time: about a minute on an idle machine, 8 minutes or more on a busy one)"
 if ! .venv/bin/python -m pip install --disable-pip-version-check -q -e '.[dev,convert]'; then
   echo "setup: pip could not install the packages above. Check that pip reaches the package index" >&2
   echo "setup: (proxy settings, 'pip config list'), then rerun 'make setup'." >&2
   exit 1
 fi
-# The browser test (tests/test_browser.py) drives Debian's Chromium. Install it where we may
-# (root with apt); anywhere else that test is skipped and says how to enable it.
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
-  echo "[setup] installing chromium and chromium-driver with apt (for tests/test_browser.py)"
-  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }; then
-    echo "setup: warning: could not install chromium with apt; tests/test_browser.py will be skipped" >&2
-  fi
-fi
 # minisgl.kernel compiles a few C++ functions on first use; without a compiler every layer runs
-# its (slower) torch code. Install g++ where we may, as for chromium.
+# its (slower) torch code. Install g++ where we may (root with apt). No browser is installed
+# here: tools/install_browser.sh, run by `make test` only, installs Chromium for the browser test.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
   echo "[setup] installing g++ with apt (for minisgl.kernel's C++ kernels)"
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; }; then

@@ -15,7 +15,8 @@ The chapter notebooks `solutions/NN_slug.ipynb` write the package with
 
 and become `raise NotImplementedError("Exercise 4.2: write k and v into the pool")` in the learner
 copy `notebooks/NN_slug.ipynb`. `tools/workbook-manifest.json` records the sha256 of every file
-`build` generated, so that `build` never overwrites a learner's own work.
+`build` generated, so that `build` never overwrites a learner's own work. Outputs are stripped
+and checked by nbstripout (`build` runs it in place, `check` runs `nbstripout --verify`).
 
 This module must import quickly (tools/nbtools.py uses it from notebooks): nbformat and nbstripout
 are imported only inside the functions that need them.
@@ -24,14 +25,18 @@ are imported only inside the functions that need them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import posixpath
 import re
 import shlex
 import shutil
 import sys
+import tempfile
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,12 +47,6 @@ SKIP_TAG = "skip-execution"
 NB_NAME = re.compile(r"^(\d\d)_.+\.ipynb$")
 MARKER = re.compile(r"^([ \t]*)#[ \t]*(BEGIN|END) SOLUTION\b(.*)$")
 HEADER = re.compile(r"^\s+(\d+)\.(\d+)\s*:\s*(\S.*?)\s*$")
-# nbstripout's default metadata keys (what `nbstripout` on the command line drops)
-STRIP_KEYS = [
-    "metadata.signature", "metadata.widgets", "cell.metadata.collapsed",
-    "cell.metadata.ExecuteTime", "cell.metadata.execution", "cell.metadata.heading_collapsed",
-    "cell.metadata.hidden", "cell.metadata.scrolled",
-]
 STASH_HELP = (
     "`git stash -u` (get it back with `git stash pop`), or commit it to a branch "
     "(`git switch -c my-work && git commit -am 'my work'`, then `git switch main`), "
@@ -245,20 +244,37 @@ def solution_notebooks(root: Path) -> tuple[dict[str, Path], list[str]]:
 # ----------------------------------------------------------------------------- notebooks I/O
 
 
-def load_stripped(path: Path):
-    """Read a notebook with nbformat and strip outputs, counts and volatile metadata (in memory).
-
-    Cells without an id get a deterministic one so that learner copies keep stable ids.
-    """
+def load_notebook(path: Path):
+    """Read a notebook with nbformat, without outputs or execution counts (nbstripout, in memory;
+    the file itself is stripped by `build`), so that a learner copy never carries any."""
     import nbformat
     from nbstripout import strip_output
 
-    nb = nbformat.read(path, as_version=4)
-    nb.nbformat_minor = max(nb.nbformat_minor, 5)
-    for i, cell in enumerate(nb.cells):
-        cell.setdefault("id", f"cell-{i}")
-    return strip_output(nb, keep_output=False, keep_count=False, keep_id=True,
-                        extra_keys=STRIP_KEYS)
+    return strip_output(nbformat.read(path, as_version=4), keep_output=False, keep_count=False,
+                        keep_id=True)
+
+
+def nbstripout(*args: str) -> tuple[int, str]:
+    """Run nbstripout's own command line (always keeping cell ids) in this process, where
+    nbformat is already imported (a fresh interpreter spends seconds importing it); return its
+    exit status and its error messages. What it prints to stdout is dropped."""
+    from nbstripout import main
+
+    err, saved = io.StringIO(), (sys.argv, sys.stdin, sys.stdout)
+    sys.argv, sys.stdin = ["nbstripout", "--keep-id", *args], None
+    sys.stdout = types.SimpleNamespace(buffer=io.BytesIO())  # main() writes to stdout.buffer only
+    try:
+        with contextlib.redirect_stderr(err):
+            main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except Exception as exc:  # noqa: BLE001 - e.g. valid JSON that is not a notebook
+        code = 1
+        err.write(f"{type(exc).__name__}: {exc}")
+    finally:
+        sys.argv, sys.stdin, sys.stdout = saved
+    return code, err.getvalue().strip()
 
 
 def nb_bytes(nb: dict) -> bytes:
@@ -275,7 +291,7 @@ def generate(root: Path) -> Generation:
     gen = Generation(problems=problems)
     for nn, path in sols.items():
         try:
-            nb = load_stripped(path)
+            nb = load_notebook(path)
         except Exception as exc:  # noqa: BLE001 - any unreadable notebook is a reportable problem
             gen.problems.append(f"solutions/{path.name}: cannot read notebook: {exc}")
             continue
@@ -321,8 +337,8 @@ def read_bytes(path: Path) -> bytes | None:
     return path.read_bytes() if path.is_file() else None
 
 
-def extra_files(root: Path, gen: Generation) -> list[str]:
-    """Files under minisgl/ (*.py) and notebooks/ (*.ipynb) that no solution notebook generates.
+def extra_files(root: Path, generated) -> list[str]:
+    """Files under minisgl/ (*.py, *.cpp) and notebooks/ (*.ipynb) not among `generated`.
 
     Hidden folders, __pycache__ and notebooks whose name starts with '_' are ignored.
     """
@@ -331,28 +347,15 @@ def extra_files(root: Path, gen: Generation) -> list[str]:
              and not any(d.startswith(".") or d == "__pycache__" for d in p.relative_to(root).parts)]
     found += [f"notebooks/{p.name}" for p in (root / "notebooks").glob("*.ipynb")
               if not p.name.startswith("_")]
-    return sorted(set(found) - set(gen.files))
-
-
-def ensure_gitignore(root: Path) -> None:
-    """Make sure .gitignore ignores the backup folder (appends; never clobbers)."""
-    path = root / ".gitignore"
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    lines = {line.strip().strip("/") for line in text.splitlines()}
-    if BACKUP_DIR in lines:
-        return
-    sep = "" if not text or text.endswith("\n") else "\n"
-    path.write_text(f"{text}{sep}{BACKUP_DIR}/\n", encoding="utf-8")
+    return sorted(set(found) - set(generated))
 
 
 def backup(root: Path, rels: list[str]) -> Path:
-    """Copy files (paths relative to root) into a new .workbook-backup/<timestamp>/ folder."""
-    ensure_gitignore(root)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest, n = root / BACKUP_DIR / stamp, 0
-    while dest.exists():
-        n += 1
-        dest = root / BACKUP_DIR / f"{stamp}-{n}"
+    """Copy files (paths relative to root) into a new .workbook-backup/<timestamp>/ folder. The
+    backup folder holds a `.gitignore` of `*`, so git never offers to commit it."""
+    (root / BACKUP_DIR).mkdir(exist_ok=True)
+    (root / BACKUP_DIR / ".gitignore").write_text("*\n", encoding="utf-8")
+    dest = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=root / BACKUP_DIR))
     for rel in rels:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(root / rel, dest / rel)
@@ -366,17 +369,12 @@ def write_file(path: Path, data: bytes) -> None:
 
 
 def strip_solutions(root: Path) -> list[str]:
-    """Strip outputs from solutions/*.ipynb in place; return the paths that changed."""
-    changed = []
-    for path in solution_notebooks(root)[0].values():
-        try:
-            data = nb_bytes(load_stripped(path))
-        except Exception:  # noqa: BLE001, S112 - `generate` reports unreadable notebooks
-            continue
-        if data != path.read_bytes():
-            path.write_bytes(data)
-            changed.append(f"solutions/{path.name}")
-    return changed
+    """Strip outputs from solutions/*.ipynb in place with nbstripout; return the paths it changed
+    (a notebook it cannot read is left for `generate` to report)."""
+    paths = list(solution_notebooks(root)[0].values())
+    before = {path: path.read_bytes() for path in paths}
+    nbstripout(*map(str, paths))
+    return [f"solutions/{path.name}" for path in paths if path.read_bytes() != before[path]]
 
 
 # ----------------------------------------------------------------------------- commands
@@ -437,29 +435,23 @@ def build(root: Path = ROOT) -> int:
 
 
 def notebook_problems(root: Path, gen: Generation) -> list[str]:
-    """Outputs / counts in committed notebooks; solution text or missing tags in learner copies."""
+    """Notebooks nbstripout would change (outputs, counts, volatile metadata); solution text or
+    missing tags in learner copies."""
+    rels = [f"{folder}/{path.name}" for folder in ("solutions", "notebooks")
+            for path in sorted((root / folder).glob("*.ipynb")) if not path.name.startswith("_")]
     problems = []
-    for folder in ("solutions", "notebooks"):
-        for path in sorted((root / folder).glob("*.ipynb")):
-            if path.name.startswith("_"):
-                continue
-            rel = f"{folder}/{path.name}"
-            try:
-                cells = read_json(path).get("cells", [])
-            except ValueError as exc:
-                problems.append(f"{rel}: not valid JSON ({exc})")
-                continue
-            outs = [str(i) for i, c in enumerate(cells) if c.get("outputs")]
-            counts = [str(i) for i, c in enumerate(cells) if c.get("execution_count") is not None]
-            if outs:
-                problems.append(f"{rel}: cells {', '.join(outs)} hold outputs; run "
-                                "`python tools/workbook.py build` (it strips them)")
-            if counts:
-                problems.append(f"{rel}: cells {', '.join(counts)} have execution counts; run "
-                                "`python tools/workbook.py build` (it strips them)")
-            if folder == "notebooks":
-                chap = next((c for c in gen.chapters.values() if c.name == path.name), None)
-                problems += learner_problems(rel, cells, chap.bodies if chap else {})
+    for rel in rels:
+        code, err = nbstripout("--verify", str(root / rel))
+        if code and err:
+            problems.append(f"{rel}: not a notebook nbstripout can read ({err})")
+            continue
+        if code:
+            problems.append(f"{rel}: holds outputs or execution counts (`nbstripout --verify` "
+                            "fails); run `python tools/workbook.py build` (it strips them)")
+        if rel.startswith("notebooks/"):
+            cells = read_json(root / rel).get("cells", [])
+            chap = next((c for c in gen.chapters.values() if f"notebooks/{c.name}" == rel), None)
+            problems += learner_problems(rel, cells, chap.bodies if chap else {})
     return problems
 
 
@@ -499,7 +491,7 @@ def check(root: Path = ROOT) -> int:
             problems.append(f"{rel}: differs from what solutions/ generates; run `python "
                             "tools/workbook.py build` (if this is your own work, see README "
                             "'Your work')")
-    for rel in extra_files(root, gen):
+    for rel in extra_files(root, gen.files):
         if rel.startswith("notebooks/"):
             problems.append(f"{rel}: not generated from solutions/; delete it, or start its name "
                             "with '_' for a scratch notebook")
@@ -522,54 +514,29 @@ def check(root: Path = ROOT) -> int:
     return 0
 
 
-def _status_from_manifest(root: Path) -> tuple[list[str], list[str]]:
-    """Without nbformat (a fresh machine, before set-up): a generated file is clean when its hash
-    is the one `build` recorded in the manifest; anything else under minisgl/ or notebooks/ is
-    the learner's work."""
+def learner_work(root: Path) -> list[str]:
+    """Files under minisgl/ or notebooks/ that `build` did not write: a generated file whose hash
+    is not the one recorded in the manifest, or a file no notebook generates. Needs no nbformat,
+    so it works on a fresh machine before set-up."""
     manifest = load_manifest(root)
-    work = []
-    for rel, digest in sorted(manifest.items()):
-        current = read_bytes(root / rel)
-        if current is not None and sha256(current) != digest:
-            work.append(rel)
-    work += extra_files(root, Generation(files={rel: b"" for rel in manifest}))
-    return work, []
+    current = {rel: read_bytes(root / rel) for rel in sorted(manifest)}
+    work = [rel for rel, data in current.items()
+            if data is not None and sha256(data) != manifest[rel]]
+    return work + extra_files(root, manifest)
 
 
 def status(root: Path = ROOT) -> int:
-    """Exit 1 (with advice) when minisgl/ or notebooks/ differ from what `build` generates."""
-    try:
-        import nbformat  # noqa: F401
-        import nbstripout  # noqa: F401
-    except ImportError:
-        gen = Generation()
-        work, outdated = _status_from_manifest(root)
-    else:
-        gen = generate(root)
-        manifest = load_manifest(root)
-        work, outdated = [], []
-        for rel, data in sorted(gen.files.items()):
-            current = read_bytes(root / rel)
-            if current is None or (current != data and sha256(current) == manifest.get(rel)):
-                outdated.append(rel)
-            elif current != data:
-                work.append(rel)
-        work += [rel for rel in extra_files(root, gen)
-                 if gen.chapters or rel.startswith("notebooks/")]
-    if work:
-        chapters = sorted({gen.origin[rel] for rel in work if rel in gen.origin})
-        print("status: these files hold your own work (they differ from what "
-              "`python tools/workbook.py build` generates from solutions/):")
-        print("\n".join(f"  {rel}" for rel in work))
-        print(f"To proceed: {STASH_HELP}"
-              + (f"; your chapters: {', '.join(chapters)}" if chapters else "") + ".")
-    if outdated:
-        print("status: out of date (missing, or generated from an older solutions/): "
-              f"{', '.join(outdated)}; run `python tools/workbook.py build`")
-    if work or outdated:
-        return 1
-    print("status: clean")
-    return 0
+    """Exit 1 (with advice) when minisgl/ or notebooks/ hold the learner's own work. (A file that
+    is merely out of date, generated from an older solutions/, is `check`'s business.)"""
+    work = learner_work(root)
+    if not work:
+        print("status: clean")
+        return 0
+    print("status: these files hold your own work (they differ from what "
+          "`python tools/workbook.py build` generated):")
+    print("\n".join(f"  {rel}" for rel in work))
+    print(f"To proceed: {STASH_HELP}.")
+    return 1
 
 
 def reset(root: Path, chapter: str, notebook: bool = False) -> int:
