@@ -62,30 +62,6 @@ def pytest_runtest_makereport(item, call):
 
 
 
-# Tests of the chapter files that take a minute or more each on a busy 2-core machine (SmolLM2
-# end to end, extra kernel builds, the milestone script): marked `slow` here, beside the files
-# marked in their own module (notebooks, wrong modules), so that `make test-quick`
-# (`-m "not slow and not browser"`) leaves them out. tests/test_packaging.py checks that every
-# name still exists.
-SLOW = {
-    "test_ch00_step0.py": ["test_smollm2_greedy_matches_hf"],
-    "test_ch03_models.py": ["test_smollm2_greedy_matches_hf"],
-    "test_ch06_engine.py": ["test_smollm2_greedy_matches_hf_in_a_batch_of_four"],
-    "test_ch07_kernels.py": [
-        "test_linear_with_narrower_vectors",
-        "test_without_a_compiler_a_kernel_engine_says_why_and_runs_the_learner_code",
-        "test_a_killed_build_a_truncated_and_a_corrupt_library_all_end_in_a_working_build"],
-    "test_ch07_milestone.py": ["*"],  # every test shares two runs of the milestone script
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        names = SLOW.get(item.path.name, ())
-        if "*" in names or getattr(item, "originalname", item.name) in names:
-            item.add_marker(pytest.mark.slow)
-
-
 @pytest.fixture
 def clean_globals():
     """minisgl's process-wide state reset before and after a test: the global Context, the tp

@@ -132,6 +132,7 @@ def test_llama3_rope_is_refused():
     assert "chapter 02" in str(info.value), "the error should say that chapter 02 adds llama3"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_smollm2_greedy_matches_hf(prompt):
     ids = tokenizer()(prompt)["input_ids"]

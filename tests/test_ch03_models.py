@@ -478,6 +478,7 @@ def test_two_requests_in_one_prefill():
         "logits, as two separate HF forwards do.\n" + m))
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_hf():
     """Free-running greedy generation, 16 steps, recomputing the whole sequence every step."""
     ids = tokenizer()("The capital of France is")["input_ids"]

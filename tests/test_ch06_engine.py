@@ -521,6 +521,7 @@ def _smol_batch_tokens(ops: str = "your-code") -> list[list[int]]:
     return _SMOL_RESULTS[ops]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ops", ["your-code", "kernels"])
 def test_smollm2_greedy_matches_hf_in_a_batch_of_four(ops):
     if ops == "kernels":

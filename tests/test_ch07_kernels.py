@@ -165,6 +165,7 @@ def test_small_batch_linear_hands_a_prefill_to_mkl(kmod, monkeypatch):
     assert calls == [1, kernel.LINEAR_MAX_ROWS], f"rows sent to the kernel: {calls}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,lanes", [(["-O3"], 4), (["-O3", "-mavx2", "-mfma", "-fopenmp"], 8)],
                          ids=["4-lanes-no-openmp", "8-lanes"])
 def test_linear_with_narrower_vectors(kmod, flags, lanes):
@@ -341,6 +342,7 @@ def test_a_default_engine_imports_and_compiles_nothing(tmp_path):
     assert "minisgl.kernel" not in out.stderr and not (tmp_path / "cache").exists(), out.stderr
 
 
+@pytest.mark.slow
 def test_without_a_compiler_a_kernel_engine_says_why_and_runs_the_learner_code(kmod, tmp_path):
     out = _run_engine(tmp_path, True, MINISGL_KERNEL_CACHE=str(tmp_path / "cache"), CXX="false")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -381,6 +383,7 @@ def _folder(cache: pathlib.Path) -> pathlib.Path:
     return cache / kbuild.build_key(kbuild.source_bytes(), ["-O3"])
 
 
+@pytest.mark.slow
 def test_a_killed_build_a_truncated_and_a_corrupt_library_all_end_in_a_working_build(kmod,
                                                                                      tmp_path):
     """A builder killed while compiling holds no lock: the next one rebuilds at once. A library

@@ -19,6 +19,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # every test shares two runs of the milestone script
 SCRIPT = ROOT / "examples" / "stage1_milestone.py"
 PROMPTS = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):",
            "Once upon a time,"]

@@ -101,14 +101,3 @@ def test_only_make_test_installs_a_browser(target):
     code = [ln for ln in (ROOT / "tools" / "bootstrap.sh").read_text().splitlines()
             if not ln.lstrip().startswith("#")]
     assert not [ln for ln in code if "chromium" in ln.lower()], "bootstrap.sh installs a browser"
-
-
-def test_every_test_conftest_marks_slow_exists():
-    """tests/conftest.py marks some chapter tests `slow` by name; a renamed test would silently
-    join the quick tier."""
-    from conftest import SLOW
-
-    for name, tests in SLOW.items():
-        text = (ROOT / "tests" / name).read_text()
-        for test in tests:
-            assert test == "*" or f"def {test}(" in text, f"tests/{name} has no {test}"
