@@ -30,13 +30,14 @@ if ! .venv/bin/python -m pip install --disable-pip-version-check -q -e '.[dev,co
   echo "setup: (proxy settings, 'pip config list'), then rerun 'make setup'." >&2
   exit 1
 fi
-# minisgl.kernel compiles a few C++ functions on first use; without a compiler every layer runs
-# its (slower) torch code. Install g++ where we may (root with apt). No browser is installed
+# Chapter 07's fused kernels (an Engine built with cpu_kernels=True) compile C++ on first use;
+# without a compiler such an Engine says so and runs the chapters' code. Install g++ where we may
+# (root with apt). No browser is installed
 # here: tools/install_browser.sh, run by `make test` only, installs Chromium for the browser test.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
   echo "[setup] installing g++ with apt (for minisgl.kernel's C++ kernels)"
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; }; then
-    echo "setup: warning: could not install g++; the Engine will run the torch code (slower)" >&2
+    echo "setup: warning: could not install g++; cpu_kernels=True Engines will run the chapters' code" >&2
   fi
 fi
 echo "[setup] done"
