@@ -9,6 +9,8 @@ backend, the page table), which is why ``model.forward()`` takes no arguments.
 
 from __future__ import annotations
 
+import math
+import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, List, Literal
@@ -18,6 +20,16 @@ import torch
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
     from minisgl.kvcache.base import BaseKVCachePool
+
+
+def _is_count(value: Any) -> bool:
+    """A whole number given as an integer (bool is an int in Python, but never a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A real number (int or float, numpy's included), not a bool or a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
@@ -35,6 +47,20 @@ class SamplingParams:
     max_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        for name, example in (("temperature", "0.7 (0 for greedy)"), ("top_p", "0.9 (1.0 keeps "
+                                                                          "every token)")):
+            value = getattr(self, name)
+            if not _is_real(value):
+                raise TypeError(f"SamplingParams: {name}={value!r} is not a number; pass a float "
+                                f"such as {name}={example}.")
+            if not math.isfinite(value):
+                raise ValueError(f"SamplingParams: {name}={value!r} is not a finite number; pass "
+                                 f"a float such as {name}={example}.")
+        for name, example in (("top_k", "40 (-1 for no top-k cut)"), ("max_tokens", "64")):
+            value = getattr(self, name)
+            if not _is_count(value):
+                raise TypeError(f"SamplingParams: {name}={value!r} is not an integer; pass a whole "
+                                f"number such as {name}={example}.")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams: temperature={self.temperature} is negative; "
                              "use 0 for greedy decoding or a positive value to sample.")
@@ -84,11 +110,19 @@ class Req:
         if ids.dim() != 1:
             raise ValueError(f"Req(uid={self.uid}): input_ids must be 1-D [tokens], got shape "
                              f"{tuple(ids.shape)}.")
+        for name in ("table_idx", "cached_len", "output_len"):
+            if not _is_count(getattr(self, name)):
+                raise TypeError(f"Req(uid={self.uid}): {name}={getattr(self, name)!r} is not an "
+                                "integer; pass a whole number (an int).")
         # BEGIN SOLUTION 1.1: derive device_len and max_device_len from input_ids and output_len
         self.device_len = len(ids)
         self.max_device_len = len(ids) + self.output_len
         # END SOLUTION
         self.check_invariant()
+        if self.output_len < 1:
+            raise ValueError(f"Req(uid={self.uid}): output_len={self.output_len} leaves nothing to "
+                             "generate; every forward samples one token per request, so use "
+                             "output_len >= 1 (the most new tokens this request may produce).")
 
     def check_invariant(self) -> None:
         """Raise a clear error unless ``0 <= cached_len < device_len <= max_device_len``."""
@@ -97,7 +131,7 @@ class Req:
                 f"Req(uid={self.uid}) breaks 0 <= cached_len < device_len <= max_device_len: "
                 f"cached_len={self.cached_len}, device_len={self.device_len}, "
                 f"max_device_len={self.max_device_len}. A request must have at least one token "
-                "to compute (cached_len < device_len) and output_len >= 0.")
+                "to compute (cached_len < device_len) and output_len >= 1.")
 
     @property
     def remain_len(self) -> int:
@@ -167,6 +201,9 @@ class Batch:
     def __post_init__(self) -> None:
         if self.phase not in ("prefill", "decode"):
             raise ValueError(f"Batch phase must be 'prefill' or 'decode', got {self.phase!r}.")
+        if not isinstance(self.reqs, list):
+            raise TypeError(f"Batch(reqs=...) takes a list of Req, got {type(self.reqs).__name__}; "
+                            "pass list(reqs), e.g. Batch(reqs=[req], phase='prefill').")
         if len(self.reqs) == 0:
             raise ValueError("an empty Batch: give it at least one Req (a forward with no "
                              "requests has nothing to compute).")

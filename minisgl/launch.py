@@ -279,6 +279,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.tp < 1:
         ap.error(f"--tp {args.tp}: need at least 1 rank")
+    if args.page_size < 1 or MAX_LEN % args.page_size:
+        sizes = ", ".join(str(1 << i) for i in range(MAX_LEN.bit_length()))
+        ap.error(f"--page-size {args.page_size}: a page holds at least 1 token, and each "
+                 f"request's {MAX_LEN} token slots must fill whole pages; use one of {sizes}")
+    if args.tokens < 1:
+        ap.error(f"--tokens {args.tokens}: generate at least 1 token per prompt")
+    if not args.timeout > 0:
+        ap.error(f"--timeout {args.timeout}: need a positive number of seconds")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.model is None:
@@ -307,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from minisgl.engine import Engine
 
     ids = prompt_ids(model)
+    longest = max(len(i) for i in ids)
+    if longest + args.tokens > MAX_LEN:
+        ap.error(f"--tokens {args.tokens}: the longest prompt has {longest} tokens and each "
+                 f"request has {MAX_LEN} token slots; use --tokens {MAX_LEN - longest} or fewer")
     engine = Engine(engine_config(model, 0, 1, args.page_size, len(ids)))  # the reference
     try:
         expected = generate(engine, ids, args.tokens)

@@ -63,7 +63,7 @@ def prefill_logits(model, sequences) -> torch.Tensor:
 
     ctx = get_global_ctx()
     reqs = [Req(input_ids=torch.tensor(seq, dtype=torch.int32), table_idx=i, cached_len=0,
-                output_len=0, uid=i, sampling_params=None) for i, seq in enumerate(sequences)]
+                output_len=1, uid=i, sampling_params=None) for i, seq in enumerate(sequences)]
     batch = Batch(reqs=reqs, phase="prefill")
     batch.input_ids = torch.cat([req.input_ids for req in reqs])  # [T]
     batch.positions = torch.cat([torch.arange(len(req.input_ids), dtype=torch.int32)

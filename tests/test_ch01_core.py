@@ -90,7 +90,7 @@ def saved_plugins():
 
 
 @pytest.mark.parametrize("n_prompt,output_len,cached_len",
-                         [(6, 5, 0), (1, 1, 0), (3, 0, 0), (8, 4, 3), (2, 7, 1)])
+                         [(6, 5, 0), (1, 1, 0), (3, 2, 2), (8, 4, 3), (2, 7, 1)])
 def test_lengths_across_life_cycle(n_prompt, output_len, cached_len):
     req = make_req(n_prompt, output_len, cached_len)
     expected = simulate(n_prompt, output_len, cached_len)

@@ -510,6 +510,9 @@ def test_lm_head_decode_keeps_every_row():
 
 
 def test_lm_head_tied_uses_embedding_weight():
+    """Tied (config.json's tie_word_embeddings): the LM head reads the embedding table. A
+    checkpoint that also ships an lm_head.weight keeps the tying when that tensor is a copy of the
+    table, and otherwise uses it, as Hugging Face does (tests/test_ch03_models.py compares)."""
     V, H = 40, 8
 
     class Tied(BaseOP):
@@ -521,17 +524,24 @@ def test_lm_head_tied_uses_embedding_weight():
         def forward(self, x):
             return self.lm_head.forward(x)
 
-    model = build(0, 1, Tied)
-    assert list(model.state_dict()) == ["embed_tokens.weight"], (
-        f"a tied LM head owns no weight of its own; keys: {list(model.state_dict())}")
-    table = randn(V, H, seed=54)
-    model.load_state_dict({"embed_tokens.weight": table, "lm_head.weight": randn(V, H, seed=55)})
-    x = randn(2, H, seed=56)
-    with active(make_batch([1, 1], "decode")):
-        got = model.forward(x)
-    torch.testing.assert_close(got, x @ table.T, msg=lambda m: (
-        "tied LM head: logits must use the embedding table (the checkpoint's lm_head.weight is "
-        "dropped)\n" + m))
+    table, own, x = randn(V, H, seed=54), randn(V, H, seed=55), randn(2, H, seed=56)
+    for extra, want in [({}, table), ({"lm_head.weight": table.clone()}, table),
+                        ({"lm_head.weight": own}, own)]:
+        model = build(0, 1, Tied)
+        assert list(model.state_dict()) == ["embed_tokens.weight"], (
+            f"a tied LM head owns no weight of its own; keys: {list(model.state_dict())}")
+        model.load_state_dict({"embed_tokens.weight": table, **extra})
+        with active(make_batch([1, 1], "decode")):
+            got = model.forward(x)
+        what = ("no lm_head.weight" if not extra else "an lm_head.weight equal to the table"
+                if want is table else "its own, different lm_head.weight")
+        torch.testing.assert_close(got, x @ want.T, msg=lambda m: (
+            f"tied LM head, checkpoint with {what}: logits must use "
+            f"{'the embedding table' if want is table else 'that lm_head.weight'}\n" + m))
+        keys = sorted(model.state_dict())
+        assert keys == (["embed_tokens.weight"] if want is table else
+                        ["embed_tokens.weight", "lm_head.weight"]), (
+            f"tied LM head, checkpoint with {what}: state-dict keys {keys}")
     with pytest.raises(ValueError):
         build(0, 1, lambda: ParallelLMHead(V, H, tie_word_embeddings=True))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -171,7 +172,8 @@ def sampling_req(params: SamplingParams | None, uid: int = 0) -> Req:
 
 
 def tile(args: BatchSamplingArgs, n: int) -> BatchSamplingArgs:
-    return BatchSamplingArgs(*(None if a is None else a.repeat(n) for a in args))
+    t, k, p = args.temperatures, args.top_k, args.top_p
+    return BatchSamplingArgs(*(None if a is None else a.repeat(n) for a in (t, k, p)))
 
 
 @pytest.mark.parametrize("t,k,p", [(1.0, -1, 1.0), (0.7, 6, 1.0), (1.3, -1, 0.8),
@@ -346,6 +348,57 @@ def test_a_bad_config_leaves_the_live_engine_alone():
         "a config that can never work shut the live Engine down: validate before replacing it")
 
 
+def _corrupt_copy(tmp_path, name: str = "tiny-llama") -> pathlib.Path:
+    folder = tmp_path / name
+    shutil.copytree(model_path(name), folder)
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return folder
+
+
+def test_a_failed_build_leaves_the_live_engine_working(tmp_path, capsys):
+    """A second Engine that fails while loading (a corrupt checkpoint) is built before the live
+    one is replaced: the live Engine keeps its globals, its thread count and its results."""
+    live = engine_for("tiny-llama", num_threads=1)
+    prompts = [fixed_ids(5, seed=70), fixed_ids(3, seed=71)]
+
+    def run():
+        reqs = [make_req(ids, i, engine=live, output_len=4) for i, ids in enumerate(prompts)]
+        return generate(live, reqs, 4)
+
+    before = run()
+    capsys.readouterr()
+    with pytest.raises(RuntimeError, match="truncated or corrupt"):
+        Engine(make_config("tiny-llama", model_path=str(_corrupt_copy(tmp_path)), num_threads=2))
+    assert not capsys.readouterr().out, "a failed build must not announce a replacement"
+    assert not live._closed, "a failed build shut the live Engine down: build first, then replace"
+    assert core._GLOBAL_CTX is live.ctx and try_get_tp_info() == live.config.tp_info, (
+        "after a failed build the global context and tp info must be the live Engine's again")
+    assert torch.get_num_threads() == 1, (
+        f"after a failed build the live Engine's thread count (1) must be back, got "
+        f"{torch.get_num_threads()}")
+    assert run() == before, "the live Engine computes other tokens after a failed build"
+
+
+def test_a_pool_that_fits_only_without_the_old_engine_replaces_it_early(monkeypatch, capsys):
+    """The new KV pool does not fit beside the live Engine: once the new weights have loaded,
+    the live Engine is shut down to make room (its memory counts as available)."""
+    import minisgl.engine.engine as engine_module
+
+    old = engine_for("tiny-llama")
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 0)
+    capsys.readouterr()
+    new = Engine(make_config("tiny-llama", num_page_override=300))
+    try:
+        notice = capsys.readouterr().out.strip().splitlines()
+        assert old._closed and len(notice) == 1 and "to make room" in notice[0], notice
+        assert core._GLOBAL_CTX is new.ctx and try_get_tp_info() == new.config.tp_info
+        reqs = [make_req(fixed_ids(5, seed=72), 0, engine=new, output_len=3)]
+        assert len(generate(new, reqs, 3)[0]) == 3
+    finally:
+        new.shutdown()
+
+
 def test_building_twice_and_shutdown(capsys):
     _shutdown_live()
     saved = torch.get_num_threads()
@@ -412,7 +465,7 @@ def test_kv_pool_budget_counts_the_weights(monkeypatch):
     monkeypatch.setattr(engine_module, "available_memory", lambda device: free)
     _shutdown_live()
     engine = Engine(make_config("tiny-llama", num_page_override=None, memory_ratio=0.5,
-                                max_seq_len_override=1 << 20))
+                                max_running_req=256, max_seq_len_override=None))
     try:
         weights = sum(t.numel() * t.element_size() for t in
                       {id(t): t for t in engine.model.state_dict().values()}.values())
@@ -585,6 +638,52 @@ def test_teacher_forced_logits_match_hf(name, ops, monkeypatch):
         torch.testing.assert_close(row, ref[i][pos], **LOGIT_TOL, msg=lambda m, where=where: (
             f"{where} differ from HF's full forward beyond atol=rtol=1e-4; check Exercises "
             f"6.4 / 6.5\n{m}"))
+
+
+@pytest.mark.parametrize("ops", ["your-code", "kernels"])
+def test_tied_config_with_its_own_lm_head_matches_hf(ops, tmp_path):
+    """config.json says tie_word_embeddings, but the checkpoint ships a different lm_head.weight:
+    Hugging Face then uses that tensor (it does not tie), and the Engine must give its tokens."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    if ops == "kernels":
+        require_kernels()
+    folder = tmp_path / "tied-with-own-head"
+    shutil.copytree(model_path("tiny-llama3-rope"), folder)
+    state = load_file(str(folder / "model.safetensors"))
+    assert "lm_head.weight" not in state, "test set-up: tiny-llama3-rope should be tied"
+    table = state["model.embed_tokens.weight"]
+    state["lm_head.weight"] = 0.1 * torch.randn(table.shape, generator=torch.Generator()
+                                                .manual_seed(73))
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                              local_files_only=True).eval()
+    assert hf.config.tie_word_embeddings and not torch.equal(
+        hf.lm_head.weight, hf.model.embed_tokens.weight), (
+        "test set-up: HF should keep the checkpoint's own lm_head.weight")
+    ids, n = fixed_ids(6, seed=74), 6
+    want, seq = [], ids[None].long()
+    with torch.no_grad():
+        first = hf(seq).logits[0, -1]
+        for _ in range(n):  # greedy, recomputing the whole sequence each step
+            want.append(int(hf(seq).logits[0, -1].argmax()))
+            seq = torch.cat([seq, torch.tensor([[want[-1]]])], dim=1)
+    engine = Engine(make_config("tiny-llama3-rope", model_path=str(folder),
+                                **({"cpu_kernels": True} if ops == "kernels" else {})))
+    try:
+        seen = []
+        real = engine.sampler.sample
+        engine.sampler.sample = lambda logits, args: seen.append(logits.clone()) or real(logits,
+                                                                                        args)
+        [got] = generate(engine, [make_req(ids, 0, engine=engine, output_len=n)], n)
+        torch.testing.assert_close(seen[0][0], first, **LOGIT_TOL, msg=lambda m: (
+            "a tied config whose checkpoint has its own lm_head.weight: the prefill logits differ "
+            f"from HF's, which uses that lm_head.weight\n{m}"))
+        assert got == want, (f"tied config + its own lm_head.weight: the Engine gives {got}, HF "
+                             f"{want}")
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")

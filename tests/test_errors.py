@@ -3,7 +3,10 @@ message that names the problem and the fix. The table and these cases must list 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -447,6 +450,174 @@ def case_engine_used_after_shutdown(tmp_path, engine):
     eng.forward_batch(Batch(reqs=[_req()], phase="prefill"), None)
 
 
+def case_count_not_integer(tmp_path, engine):
+    for bad in ({"max_running_req": "4"}, {"max_running_req": True},
+                {"num_page_override": 100.5}, {"num_threads": 2.5}):
+        name, value = next(iter(bad.items()))
+        with pytest.raises(TypeError, match=re.escape(f"{name}={value!r} is not an integer")):
+            _engine(**bad)
+    _engine(max_running_req=2.5)
+
+
+def case_max_seq_len_beyond_model(tmp_path, engine):
+    _engine(max_seq_len_override=10**6)
+
+
+def case_output_len_zero(tmp_path, engine):
+    _req(output_len=0)
+
+
+def case_batch_reqs_not_list(tmp_path, engine):
+    from minisgl.core import Batch
+
+    Batch(reqs=(_req(),), phase="prefill")
+
+
+def case_token_id_outside_vocab(tmp_path, engine):
+    engine = engine()
+    vocab = engine.config.model_config.vocab_size
+    for bad in (-1, vocab):
+        batch = _filled_batch(engine, [_req(uid=5)])
+        batch.input_ids[1] = bad
+        with pytest.raises(ValueError, match=f"token id {bad} \\(Req\\(uid=5\\)\\)"):
+            engine.forward_batch(batch, engine.sampler.prepare(batch))
+    batch = _filled_batch(engine, [_req(uid=5)])
+    batch.input_ids[2] = vocab + 7
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_batch_input_ids_not_integer(tmp_path, engine):
+    engine = engine()
+    batch = _filled_batch(engine, [_req()])
+    batch.input_ids = batch.input_ids.bool()
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_decode_past_max_device_len(tmp_path, engine):
+    engine = engine()
+    req = _req(n=4, output_len=1)
+    batch = _filled_batch(engine, [req])
+    out = engine.forward_batch(batch, engine.sampler.prepare(batch))
+    req.append_host(out.next_tokens_cpu[:1])  # its one token: the request is finished
+    batch = _filled_batch(engine, [req], phase="decode")
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_sampling_args_other_batch(tmp_path, engine):
+    from minisgl.core import SamplingParams
+
+    engine = engine()
+    greedy, sampled = _req(table_idx=0, uid=0), _req(table_idx=1, uid=1)
+    sampled.sampling_params = SamplingParams(temperature=1.0)
+    other = _filled_batch(engine, [greedy, sampled])
+    args = engine.sampler.prepare(other)
+    batch = _filled_batch(engine, [_req(table_idx=0, uid=2), _req(table_idx=1, uid=3)])
+    engine.forward_batch(batch, args)  # the same size, other requests: refused too
+
+
+def case_sampling_param_nan(tmp_path, engine):
+    from minisgl.core import SamplingParams
+
+    with pytest.raises(ValueError, match="top_p=nan"):
+        SamplingParams(top_p=float("nan"))
+    SamplingParams(temperature=float("nan"))
+
+
+def case_sampling_param_not_number(tmp_path, engine):
+    from minisgl.core import SamplingParams
+
+    with pytest.raises(TypeError, match="top_k='40' is not an integer"):
+        SamplingParams(top_k="40")
+    SamplingParams(temperature="0.7")
+
+
+def case_engine_attribute_after_shutdown(tmp_path, engine):
+    eng = _engine()
+    eng.shutdown()
+    eng.page_table
+
+
+def case_engine_replaced(tmp_path, engine):
+    first = _engine()
+    second = _engine()
+    try:
+        with pytest.raises(AttributeError, match="replaced by a newer Engine"):
+            first.page_table
+        first.forward_batch(_filled_batch(second, [_req()]), None)
+    finally:
+        second.shutdown()
+
+
+def case_tp_engine_still_live(tmp_path, engine):
+    from minisgl.distributed import DistributedInfo
+
+    live = engine()
+    live._owns["dist"] = True  # as if it were a tp rank holding its process group
+    try:
+        _engine(tp_info=DistributedInfo(0, 2))
+    finally:
+        live._owns["dist"] = False
+
+
+def case_dist_addr_not_loopback(tmp_path, engine):
+    from minisgl.distributed import DistributedInfo
+
+    old = os.environ.get("MINISGL_DIST_ADDR")
+    os.environ["MINISGL_DIST_ADDR"] = "tcp://0.0.0.0:29500"
+    try:
+        _engine(tp_info=DistributedInfo(0, 2))
+    finally:
+        if old is None:
+            os.environ.pop("MINISGL_DIST_ADDR")
+        else:
+            os.environ["MINISGL_DIST_ADDR"] = old
+
+
+def case_checkpoint_tensor_nan(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    state = _model_state(folder)
+    state["model.norm.weight"][3] = float("nan")
+    _save_state(folder, state)
+    _engine(model_path=str(folder))
+
+
+def case_checkpoint_tensor_not_float(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    state = _model_state(folder)
+    state["model.norm.weight"] = torch.ones_like(state["model.norm.weight"], dtype=torch.int8)
+    _save_state(folder, state)
+    _engine(model_path=str(folder))
+
+
+def case_weight_overflows_dtype(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    state = _model_state(folder)
+    state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], 1e6)
+    _save_state(folder, state)
+    _engine(model_path=str(folder), dtype=torch.float16)
+
+
+def _launcher(*argv):
+    """Run the launcher's command line here; what it printed on stderr and its exit status."""
+    from minisgl.launch import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:
+            code = e.code
+    raise _Exited(code, err.getvalue())
+
+
+def case_launcher_page_size_zero(tmp_path, engine):
+    _launcher("--tp", "2", "--model", str(model_path(TINY)), "--page-size", "0")
+
+
+def case_launcher_tokens_too_many(tmp_path, engine):
+    _launcher("--tp", "2", "--model", str(model_path(TINY)), "--tokens", "1000")
+
+
 def case_learner_stub_left(tmp_path, engine):
     """A stub raising NotImplementedError('Exercise N.M: ...') inside a test is reported as
     'Exercise N.M is not done yet' by tests/conftest.py."""
@@ -463,6 +634,14 @@ def case_learner_stub_left(tmp_path, engine):
 
 class _Reported(Exception):
     """Carries a chapter test's report, for the learner-stub case."""
+
+
+class _Exited(Exception):
+    """A command line's exit status and what it printed on stderr."""
+
+    def __init__(self, code, stderr: str) -> None:
+        super().__init__(stderr)
+        self.code = code
 
 
 CASES = {name[len("case_"):].replace("_", "-"): fn for name, fn in globals().items()
@@ -487,6 +666,10 @@ def test_bad_input_gets_a_clear_error(case, tmp_path, engine):
         assert isinstance(err, _Reported)
         assert "1 failed" in message, message
         fragments = ["Exercise 4.1 is not done yet", "write k and v into the pool at out_loc"]
+    elif kind.startswith("exit status"):
+        assert isinstance(err, _Exited) and kind == f"exit status {err.code}", (
+            f"{case}: expected {kind}, got {err!r}")
+        assert "Traceback" not in message, f"{case}: a traceback instead of a message: {message}"
     else:
         assert type(err).__name__ == kind, f"{case}: expected {kind}, got {type(err).__name__}: " \
             f"{message}"

@@ -9,6 +9,7 @@ chapter 02's collectives and chapter 03's sharding):
   batch of four) within atol = 2e-5, rtol = 1e-5, and the same greedy tokens on both ranks. The
   float32 sums are taken in another order (each rank sums half the heads or half the MLP width,
   then the all-reduce adds the halves): the logits differ by up to ~5e-6 here, not bitwise;
+- every socket a rank listens on (the rendezvous store, gloo's pairs) is bound to 127.0.0.1;
 - a tp size that does not divide the heads is refused before any process starts;
 - a rank that raises, or one that never joins, makes the whole run fail (with that rank's error,
   or a TimeoutError) within the timeout, and no rank process is left behind.
@@ -78,6 +79,33 @@ def distinct_ports(n: int) -> list[int]:
             s.close()
 
 
+def listening_sockets() -> list[str]:
+    """``address:port`` of every TCP socket this process listens on (from /proc/net/tcp{,6}:
+    local addresses in hex; IPv4 in little-endian byte order)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in pathlib.Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addr, port = fields[1].split(":")
+                if table == "tcp":
+                    host = ".".join(str(b) for b in reversed(bytes.fromhex(addr)))
+                else:
+                    host = {"0000000000000000FFFF00000100007F": "::ffff:127.0.0.1",
+                            "00000000000000000000000001000000": "::1",
+                            "0" * 32: "[::]"}.get(addr, f"[{addr}]")
+                found.append(f"{host}:{int(port, 16)}")
+    return found
+
+
 def forced_run(engine, ids, forced):
     """Teacher forcing: every request is fed ``forced[i]``; returns the sampled tokens per step
     ([N][B]) and the logits handed to the sampler ([N, B, V])."""
@@ -112,10 +140,11 @@ def tp_rank(rank: int, tp_size: int, runs) -> list[dict]:
             sampled, logits = forced_run(engine, ids, forced)
             shapes = {k: tuple(v.shape) for k, v in engine.model.state_dict().items()
                       if k.startswith("model.layers.0.self_attn.")}
+            listening = listening_sockets()  # the group is up: its store and gloo's pairs
         finally:
             engine.shutdown()
         out.append({"sampled": sampled, "logits": logits if rank == 0 else None,
-                    "shapes": shapes})
+                    "shapes": shapes, "listening": listening, "addr": addr})
     return out
 
 
@@ -247,6 +276,23 @@ def test_each_rank_holds_half_the_heads(tp_runs):
             assert shape == (rows, mc.hidden_size), (
                 f"{name} rank {rank}: qkv_proj is {shape}, expected ({rows}, {mc.hidden_size}): "
                 f"{mc.num_qo_heads // 2} query heads + 2 x {kv} KV head(s) of {mc.head_dim}")
+
+
+def test_ranks_listen_on_loopback_only(tp_runs):
+    """The rendezvous store (rank 0) and gloo's connections listen on 127.0.0.1, never on every
+    interface (0.0.0.0 / ::) or on the machine's network address."""
+    _, results, _, _ = tp_runs
+    for rank in (0, 1):
+        for i, name in enumerate(TP_MODELS):
+            got = results[rank][i]["listening"]
+            assert got, f"{name} rank {rank}: no listening socket found (/proc/net/tcp)"
+            outside = [a for a in got if not a.startswith(("127.", "::1:", "::ffff:127."))]
+            assert not outside, (
+                f"{name} rank {rank} listens beyond loopback: {outside} (all: {got})")
+            if rank == 0:
+                port = results[rank][i]["addr"].rsplit(":", 1)[1]
+                assert f"127.0.0.1:{port}" in got, (
+                    f"{name}: rank 0's store should listen on 127.0.0.1:{port}; it has {got}")
 
 
 def test_no_rank_left_after_a_run(tp_runs):

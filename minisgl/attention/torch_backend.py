@@ -95,7 +95,8 @@ class TorchBackend(BaseAttnBackend):
                                  f"table's rows 0..{rows_total - 1}.")
             if r.device_len > width:
                 raise ValueError(f"Req(uid={r.uid}) has {r.device_len} tokens but page-table rows "
-                                 f"hold {width}: raise max_seq_len_override.")
+                                 f"hold {width}: a request holds at most the Engine's max_seq_len "
+                                 "tokens (prompt + output_len); take it out of the batch.")
         cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
         seq_lens = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
         extend = seq_lens - cached

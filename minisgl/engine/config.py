@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import List
@@ -15,6 +17,27 @@ from minisgl.models import ModelConfig
 from minisgl.models.weight import load_hf_config, resolve_model_path
 
 _GiB = 1 << 30
+_COUNTS = ("max_running_req", "page_size", "num_page_override", "max_seq_len_override",
+           "num_threads", "cuda_graph_max_bs")  # whole numbers (None allowed where the default is)
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+
+
+def _is_count(value) -> bool:
+    """An int (numpy's too), never a bool, float or string: ``True`` is an int in Python."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def loopback_host_port(addr: str) -> tuple[str, int]:
+    """``tcp://127.0.0.1:PORT`` -> ("127.0.0.1", PORT); a clear error for any other address:
+    the tp ranks run on one machine and listen on the loopback interface only."""
+    scheme, _, rest = addr.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or host not in _LOOPBACK_HOSTS or not port.isdigit() or not (
+            0 < int(port) < 65536):
+        raise ValueError(f"MINISGL_DIST_ADDR={addr!r}: the tp ranks meet on this machine only, at "
+                         "tcp://127.0.0.1:PORT (they never listen on another interface); unset "
+                         "it, or set it to e.g. tcp://127.0.0.1:29500.")
+    return "127.0.0.1", int(port)
 
 
 def total_memory(device: str) -> int:
@@ -73,8 +96,9 @@ class EngineConfig:
 
     @property
     def distributed_addr(self) -> str:
-        """Where the tp ranks meet (rank 0 listens there): ``$MINISGL_DIST_ADDR`` when set (the
-        launcher sets it to a free port), else a fixed local port."""
+        """Where the tp ranks meet (rank 0 listens there, on 127.0.0.1 only):
+        ``$MINISGL_DIST_ADDR`` when set (the launcher sets it to a free port), else a fixed local
+        port."""
         return os.environ.get("MINISGL_DIST_ADDR", "tcp://127.0.0.1:2333")
 
     def validate(self) -> None:
@@ -86,6 +110,28 @@ class EngineConfig:
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"dtype={self.dtype!r} is not a floating-point torch dtype: use "
                             "torch.float32 (CPU) or torch.bfloat16 / torch.float16 (GPU).")
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if not _is_count(value) and not (value is None and name not in (
+                    "max_running_req", "page_size")):
+                raise TypeError(f"{name}={value!r} is not an integer: use a whole number (an int, "
+                                f"e.g. {name}=4), not a {type(value).__name__}.")
+        if self.cuda_graph_bs is not None and not (
+                isinstance(self.cuda_graph_bs, (list, tuple))
+                and all(_is_count(b) and b >= 1 for b in self.cuda_graph_bs)):
+            raise TypeError(f"cuda_graph_bs={self.cuda_graph_bs!r}: use a list of whole batch "
+                            "sizes >= 1, e.g. [1, 2, 4], or None.")
+        for name in ("memory_ratio", "distributed_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise TypeError(f"{name}={value!r} is not a number: use a float such as "
+                                f"{'0.9' if name == 'memory_ratio' else '60.0'}.")
+        if not self.distributed_timeout > 0 or not math.isfinite(self.distributed_timeout):
+            raise ValueError(f"distributed_timeout={self.distributed_timeout}: use a positive "
+                             "number of seconds, e.g. 60.0.")
+        for name in ("attention_backend", "device"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name}={getattr(self, name)!r}: use a string such as 'auto'.")
         if self.max_running_req < 1:
             raise ValueError(f"max_running_req={self.max_running_req}: need at least 1.")
         if not isinstance(self.cpu_kernels, bool):
@@ -126,7 +172,15 @@ class EngineConfig:
         if mc.architectures[0] not in MODEL_REGISTRY:
             raise ValueError(f"unsupported architecture {mc.architectures[0]!r}; supported: "
                              f"{', '.join(MODEL_REGISTRY.supported_names())}")
+        positions = mc.rotary_config.max_position
+        if self.max_seq_len_override is not None and self.max_seq_len_override > positions:
+            raise ValueError(f"max_seq_len_override={self.max_seq_len_override} exceeds the "
+                             f"model's {positions} positions (max_position_embeddings in "
+                             "config.json: its rotary table covers no more): use at most "
+                             f"{positions}, or None for the model's own limit.")
         tp = self.tp_info.size
+        if tp > 1:
+            loopback_host_port(self.distributed_addr)
         if mc.num_qo_heads % tp or (mc.num_kv_heads % tp and tp % mc.num_kv_heads):
             ok = [n for n in range(1, mc.num_qo_heads + 1) if mc.num_qo_heads % n == 0
                   and (mc.num_kv_heads % n == 0 or n % mc.num_kv_heads == 0)]

@@ -3,23 +3,38 @@
 
 ``prepare(batch)`` turns the requests' SamplingParams into a few tensors once per batch (or
 ``None`` when the whole batch is greedy: the fast path is one ``argmax``). ``sample(logits,
-args)`` then applies temperature, top-k and top-p per row and draws one token per row.
+args)`` then applies temperature, top-k and top-p per row and draws one token per row. The args
+remember the requests they were prepared for, row by row, so that ``Engine.forward_batch``
+refuses them for any other batch.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Tuple
 
 import torch
 
-from minisgl.core import Batch
+from minisgl.core import Batch, Req
 
 
 class BatchSamplingArgs(NamedTuple):
     temperatures: torch.Tensor | None  # [B] float32; None: the whole batch is greedy
     top_k: torch.Tensor | None = None  # [B] int32; None: no row cuts by top-k
     top_p: torch.Tensor | None = None  # [B] float32; None: no row cuts by top-p
+    reqs: Tuple[Req, ...] | None = None  # row b is reqs[b] (set by Sampler.prepare)
+
+
+def _for_these_requests(prepare):
+    """Stamp ``prepare``'s result with the batch's requests, in order: the args are only right
+    for those rows (``Engine.forward_batch`` checks it, a loop over the requests)."""
+
+    @functools.wraps(prepare)
+    def prepare_for_batch(self, batch: Batch) -> BatchSamplingArgs:
+        return prepare(self, batch)._replace(reqs=tuple(batch.reqs))
+
+    return prepare_for_batch
 
 
 def sample_impl(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
@@ -55,6 +70,7 @@ class Sampler:
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(self.seed)
 
+    @_for_these_requests
     def prepare(self, batch: Batch) -> BatchSamplingArgs:
         """Per-request parameters as tensors (reads ``batch.reqs`` only: dummies have none)."""
         params = [r.sampling_params for r in batch.reqs]
@@ -80,6 +96,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         """``logits [B, V]`` -> next token ids ``[B]`` (int64)."""
+        if args.temperatures is not None and args.temperatures.shape[0] != logits.shape[0]:
+            raise ValueError(f"sampling args for {args.temperatures.shape[0]} rows but "
+                             f"{logits.shape[0]} rows of logits: prepare the args for this batch "
+                             "(sampler.prepare(batch)).")
         if args.temperatures is None:
             return torch.argmax(logits, dim=-1)
         return sample_impl(logits, args.temperatures, args.top_k, args.top_p, self._generator)

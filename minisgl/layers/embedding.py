@@ -63,8 +63,15 @@ class ParallelLMHead(BaseOP):
 
     def load_state_dict(self, state_dict: StateDict, *, prefix: str = "",
                         _internal: bool = False) -> None:
-        if self.tie_word_embeddings:  # the embedding's weight is used; a checkpoint copy is dropped
-            state_dict.pop(f"{prefix}.weight" if prefix else "weight", None)
+        key = f"{prefix}.weight" if prefix else "weight"
+        if self.tie_word_embeddings and key in state_dict:  # the checkpoint has its own LM head
+            own, table = state_dict[key], self._tied_embedding.weight
+            if table.device.type != "meta" and own.shape == table.shape and torch.equal(own, table):
+                state_dict.pop(key)  # a copy of the embedding table: stay tied
+            else:  # as Hugging Face does, the checkpoint's LM head wins over the config's tying
+                self.tie_word_embeddings = False
+                self.weight = torch.empty(self.num_embeddings_tp, table.shape[1],
+                                          dtype=table.dtype, device="meta")
         super().load_state_dict(state_dict, prefix=prefix, _internal=_internal)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,19 @@ def _shard(name: str, t: torch.Tensor, config: ModelConfig, tp: DistributedInfo)
     # END SOLUTION
 
 
+def _check_values(key: str, t: torch.Tensor, file: pathlib.Path) -> None:
+    """Refuse a tensor the model cannot use: not floating point (an int8 quantized checkpoint, a
+    bool mask), or holding NaN or inf (it would turn every logit into NaN)."""
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"checkpoint tensor {key!r} in {file.name} has dtype {t.dtype}: minisgl "
+                        "loads floating-point weights only (no quantized checkpoints); use a "
+                        "float32, bfloat16 or float16 checkpoint.")
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"checkpoint tensor {key!r} in {file.name} holds {bad} NaN or inf "
+                         "value(s): the checkpoint is damaged; re-create or re-download it.")
+
+
 def _fused_name(name: str) -> Tuple[str, int] | None:
     """``...self_attn.k_proj.weight`` -> (``...self_attn.qkv_proj.weight``, 1), else None."""
     parts = name.split(".")
@@ -132,6 +145,7 @@ def load_weight(model_path: str | pathlib.Path,
                 except (SafetensorError, OSError, RuntimeError) as e:
                     raise RuntimeError(f"cannot read tensor {key!r} from {file}: {e}. The file "
                                        "is truncated or corrupt: re-create it.") from e
+                _check_values(key, tensor, file)
                 tensor = _shard(name, tensor, config, tp)
                 fused = _fused_name(name)
                 if fused is None:
