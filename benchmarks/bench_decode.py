@@ -1,8 +1,13 @@
-"""Decode-step benchmark: step 0, minisgl at batch 1..16, HF transformers, and the roofline.
+"""Decode-step benchmark: minisgl's two implementations side by side, step 0, HF, the roofline.
 
-One process, one model, the same prompts, the same thread count, measured side by side and
-interleaved (so drift of the machine cannot favour one side); medians, absolute times and ratios.
-Writes the table to stdout and into benchmarks/README.md (between the BENCH_DECODE markers).
+An Engine runs either the chapters' torch code (``EngineConfig(cpu_kernels=False)``, the
+default: "your code") or chapter 07's fused C++ kernels (``cpu_kernels=True``). Both are measured
+at batch 1, 2, 4, 8 and 16 in one process, beside step 0, HF ``transformers`` and the roofline,
+with the same prompts and thread count, interleaved round by round (so drift of the machine
+cannot favour one side). One Engine lives at a time; it is rebuilt when a job needs the other
+configuration. Medians, absolute times and ratios; the table goes to stdout and into
+benchmarks/README.md (between the BENCH_DECODE markers). When the kernels cannot be built, their
+rows say why and the rest still runs.
 
     python benchmarks/bench_decode.py [--model models/SmolLM2-135M-Instruct] [--rounds 3]
 """
@@ -12,20 +17,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.measure import (  # noqa: E402
+from benchmarks.measure import (
     PROMPTS,
     ROOT,
     MinisglRunner,
     hf_decode_times,
     hf_generate_tokens_per_s,
     interleave,
+    machine_line,
     median_ms,
     read_bandwidth,
     step0_decode_times,
@@ -34,47 +39,54 @@ from benchmarks.measure import (  # noqa: E402
 )
 
 BATCHES = (1, 2, 4, 8, 16)
-TORCH_OPS_BATCHES = (1, 4)  # also measured with the kernels switched off
+CONFIGS = {False: "your code (`cpu_kernels=False`)", True: "fused kernels (`cpu_kernels=True`)"}
 LOAD_BEFORE = os.getloadavg()[0]
 
 
-def run(model_path: Path, rounds: int, steps: int) -> str:
+class Engines:
+    """One Engine at a time (one per process), with ``cpu_kernels`` as a job asks; rebuilt only
+    when the next job wants the other configuration."""
+
+    def __init__(self, model_path: Path, tok, threads: int | None) -> None:
+        self.model_path, self.tok, self.threads = model_path, tok, threads
+        self.engine, self.kernels, self.runner = None, None, None
+
+    def get(self, kernels: bool) -> MinisglRunner:
+        from minisgl.distributed import DistributedInfo
+        from minisgl.engine import Engine, EngineConfig
+
+        if self.kernels is not kernels:
+            self.close()
+            self.engine = Engine(EngineConfig(
+                model_path=str(self.model_path), tp_info=DistributedInfo(0, 1),
+                dtype=torch.float32, max_running_req=max(BATCHES),
+                num_page_override=max(BATCHES) * 256, max_seq_len_override=256,
+                cpu_kernels=kernels, num_threads=self.threads))
+            if kernels and self.engine.config.attention_backend != "cpp":
+                raise RuntimeError("cpu_kernels=True but the Engine runs the torch code")
+            self.kernels, self.runner = kernels, MinisglRunner(self.engine, self.tok)
+        return self.runner
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.engine, self.kernels, self.runner = None, None, None
+
+
+def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from minisgl import kernel, step0
-    from minisgl.distributed import DistributedInfo
-    from minisgl.engine import Engine, EngineConfig
+
+    if threads:  # HF and step 0 too (the Engine sets this while it lives, and restores it)
+        torch.set_num_threads(threads)
 
     tok = AutoTokenizer.from_pretrained(model_path)
-
-    class Engines:
-        """One Engine at a time (one per process): the default one (chapter 07's kernels) or one
-        with ``cpu_kernels=False`` (every layer on its torch code, the weights in the layout
-        F.linear gets then, the LM head's oneDNN copy), rebuilt whenever a job wants the other."""
-
-        def __init__(self) -> None:
-            self.engine, self.mode, self.runner = None, None, None
-
-        def get(self, kernels: bool) -> MinisglRunner:
-            if self.mode is not kernels:
-                self.close()
-                self.engine = Engine(EngineConfig(
-                    model_path=str(model_path), tp_info=DistributedInfo(0, 1),
-                    dtype=torch.float32, max_running_req=max(BATCHES),
-                    num_page_override=max(BATCHES) * 256, max_seq_len_override=256,
-                    cpu_kernels=None if kernels else False))
-                self.mode, self.runner = kernels, MinisglRunner(self.engine, tok)
-            return self.runner
-
-        def close(self) -> None:
-            if self.engine is not None:
-                self.engine.shutdown()
-            self.engine, self.mode, self.runner = None, None, None
-
-    engines = Engines()
-    engines.get(True)
+    why_not = None if kernel.load() is not None else str(kernel.unavailable_reason())
+    configs = [False] + ([True] if why_not is None else [])
+    engines = Engines(model_path, tok, threads)
+    engines.get(configs[-1])
     threads = torch.get_num_threads()
-    kernels = kernel.enabled()  # the Engine's default: chapter 07's fused C++ kernels
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     s0 = step0.load_model(model_path)
     prompt = PROMPTS[0]
@@ -83,66 +95,71 @@ def run(model_path: Path, rounds: int, steps: int) -> str:
     wbytes = weight_bytes(model_path)
     roof = wbytes / bw
 
-    jobs = [lambda b=b: engines.get(True).decode_times(b, steps) for b in BATCHES]
-    jobs += [lambda b=b: engines.get(False).decode_times(b, steps)
-             for b in TORCH_OPS_BATCHES if kernels]
+    keys = [(k, b) for k in configs[::-1] for b in BATCHES]  # the Engine just built first
+    jobs = [lambda k=k, b=b: engines.get(k).decode_times(b, steps) for k, b in keys]
     jobs += [lambda: hf_decode_times(hf, tok, prompt, steps),
              lambda: step0_decode_times(model_path, tok, prompt, steps, model=s0)]
+
     samples = interleave(rounds, *jobs)
     engines.close()
-    ms = {f"minisgl b{b}": median_ms(s) for b, s in zip(BATCHES, samples)}
-    if kernels:
-        ms.update({f"torch ops b{b}": median_ms(s)
-                   for b, s in zip(TORCH_OPS_BATCHES, samples[len(BATCHES):])})
+    load_after = os.getloadavg()[0]
+    ms = {key: median_ms(s) for key, s in zip(keys, samples)}
     hf_ms, s0_ms = median_ms(samples[-2]), median_ms(samples[-1])
     hf_gen = hf_generate_tokens_per_s(hf, tok, PROMPTS, n=16)
+    roof_ms = roof * 1e3
 
-    one = ms["minisgl b1"]
-    rows = [
-        ("roofline (weights / read bandwidth)", roof * 1e3, 1, None),
-        ("step 0 (naive skeleton)", s0_ms, 1, None),
-        ("HF transformers, per token with its cache", hf_ms, 1, None),
-    ] + [(f"minisgl, batch {b}", ms[f"minisgl b{b}"], b, None) for b in BATCHES]
-    rows += [(f"minisgl, batch {b}, torch ops (`cpu_kernels=False`)", ms[f"torch ops b{b}"], b,
-              None) for b in TORCH_OPS_BATCHES if kernels]
+    name = model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path
     lines = [
-        f"Model `{model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path}`"
-        f", float32, {threads} threads, {platform.processor() or platform.machine()}, torch "
-        f"{torch.__version__}; fused C++ kernels "
-        f"{'on' if kernels else 'unavailable: ' + str(kernel.unavailable_reason())}; "
-        f"{datetime.date.today()}; medians of {rounds} interleaved rounds "
-        f"x {steps} steps; load average before the run {LOAD_BEFORE:.1f} (anything above ~0.5 "
-        "means other processes shared the 2 cores and disturbed the numbers).",
+        (f"Model `{name}`, float32; {machine_line(threads)}; {datetime.date.today()}; medians of "
+         f"{rounds} interleaved rounds x {steps} steps; load average before / after the run "
+         f"{LOAD_BEFORE:.1f} / {load_after:.1f} (well above 0, other processes shared the cores "
+         "and disturbed the numbers)."),
         "",
-        f"Weights {wbytes / 1e6:.0f} MB (tied embeddings once); read bandwidth "
-        f"{bw / 1e9:.1f} GB/s -> roofline {roof * 1e3:.1f} ms per decode step.",
+        (f"Weights {wbytes / 1e6:.0f} MB (tied embeddings once); read bandwidth "
+         f"{bw / 1e9:.1f} GB/s -> roofline {roof_ms:.1f} ms per decode step."),
         "",
-        "| what | ms per step | tokens per step | tokens/s | vs minisgl b1 step | vs HF per token |",
+    ]
+    lines += [
+        "| what | ms per step | tokens per step | tokens/s | vs HF per token | vs roofline |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, t, n, _ in rows:
-        lines.append(f"| {name} | {t:.1f} | {n} | {n * 1e3 / t:.1f} | {t / one:.2f}x | "
-                     f"{t / hf_ms:.2f}x |")
-    lines.append(f"| HF `generate`, 4 prompts, left padding, 16 tokens | "
-                 f"{4 * 1e3 / hf_gen:.1f} | 4 | {hf_gen:.1f} | - | - |")
-    b4 = ms["minisgl b4"]
-    lines += [
-        "",
-        "Targets (issue: milestone) and where this run stands:",
-        "",
-        f"- single decode step vs HF per token: {one / hf_ms:.2f}x (target <= 0.85x, stretch "
-        "<= 0.8x)",
-        f"- single decode step vs step 0: {one / s0_ms:.2f}x (target <= 1.05x)",
-        f"- single decode step vs roofline: {one / (roof * 1e3):.2f}x (stretch <= 1.2x)",
-        f"- batch-4 throughput vs HF batched generate: {(4e3 / b4) / hf_gen:.2f}x (target >= 1.5x)",
-        f"- batch-4 step vs single step: {b4 / one:.2f}x (stretch <= 1.3x; the chapter text "
-        "reports 1.63x)",
-    ]
-    if kernels:
-        lines.append("- the fused kernels against an Engine with `cpu_kernels=False` (interleaved): "
-                     + ", ".join(
-            f"batch {b} {ms[f'torch ops b{b}'] / ms[f'minisgl b{b}']:.2f}x faster"
-            for b in TORCH_OPS_BATCHES))
+
+    def row(what: str, t: float, n: int) -> str:
+        return (f"| {what} | {t:.1f} | {n} | {n * 1e3 / t:.1f} | {t / hf_ms:.2f}x | "
+                f"{t / roof_ms:.2f}x |")
+
+    lines += [row("roofline (weights / read bandwidth)", roof_ms, 1),
+              row("step 0 (naive skeleton)", s0_ms, 1),
+              row("HF transformers, per token with its cache", hf_ms, 1),
+              (f"| HF `generate`, 4 prompts, left padding, 16 tokens | {4e3 / hf_gen:.1f} | 4 | "
+               f"{hf_gen:.1f} | - | - |")]
+    for k in configs:
+        lines += [row(f"minisgl, {CONFIGS[k]}, batch {b}", ms[k, b], b) for b in BATCHES]
+    if why_not:
+        lines.append(f"| minisgl, {CONFIGS[True]} | not measured: the kernels could not be built "
+                     f"({why_not}) | - | - | - | - |")
+
+    lines += ["", "Side by side (ms per decode step; tokens/s in brackets):", ""]
+    head = "| batch | " + " | ".join(f"minisgl, {CONFIGS[k]}" for k in configs)
+    lines += [head + (" | kernels vs your code |" if True in configs else " |"),
+              "|---:|" + "---:|" * (len(configs) + (True in configs))]
+    for b in BATCHES:
+        cells = [f"{ms[k, b]:.1f} ({b * 1e3 / ms[k, b]:.0f})" for k in configs]
+        if True in configs:
+            r = ms[False, b] / ms[True, b]
+            cells.append(f"{r:.2f}x faster" if r >= 1 else f"{1 / r:.2f}x slower")
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+
+    lines += ["", "Targets (issue: milestone) and where this run stands, for each configuration:",
+              ""]
+    for k in configs:
+        one, b4 = ms[k, 1], ms[k, 4]
+        lines.append(
+            f"- {CONFIGS[k]}: single step vs HF per token {one / hf_ms:.2f}x (target <= 0.85x, "
+            f"stretch <= 0.8x); vs step 0 {one / s0_ms:.2f}x (target <= 1.05x); vs roofline "
+            f"{one / roof_ms:.2f}x (stretch <= 1.2x); batch-4 throughput vs HF `generate` "
+            f"{(4e3 / b4) / hf_gen:.2f}x (target >= 1.5x); batch-4 step vs single step "
+            f"{b4 / one:.2f}x (stretch <= 1.3x)")
     return "\n".join(lines)
 
 
@@ -152,10 +169,12 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads for every contender (default: the Engine's, every core)")
     ap.add_argument("--no-readme", action="store_true", help="print only")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    table = run(Path(args.model).resolve(), args.rounds, args.steps)
+    table = run(Path(os.path.abspath(args.model)), args.rounds, args.steps, args.threads)
     print(table)
     if not args.no_readme:
         update_readme("BENCH_DECODE", "Decode step (`bench_decode.py`)", table)

@@ -3,13 +3,11 @@
     .venv/bin/python benchmarks/bench_load.py                      # SmolLM2-135M-Instruct
     .venv/bin/python benchmarks/bench_load.py --model models/tiny-qwen3 --reps 5
 
-Three loaders, each run in a fresh Python process so that none inherits another's memory:
+Two loaders, each run in a fresh Python process so that none inherits another's memory:
 
 - **minisgl**: build the model on the ``meta`` device, then
-  ``model.load_state_dict({n: t for n, t in load_weight(path)})`` (chapter 03's streaming loader),
-  as chapter 03 runs it: linear weights re-laid out input-major, the LM head's oneDNN copy;
-- **minisgl-kernels**: the same with chapter 07's kernels switched on first, as a CPU Engine
-  loads (linear weights keep the checkpoint's layout, no LM-head copy);
+  ``model.load_state_dict({n: t for n, t in load_weight(path)})`` (chapter 03's streaming loader;
+  an Engine loads the same way with or without chapter 07's kernels: one weight layout);
 - **HF**: ``AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)``.
 
 Definitions (what the table reports):
@@ -47,7 +45,7 @@ import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LOADERS = ("minisgl", "minisgl-kernels", "hf")
+LOADERS = ("minisgl", "hf")
 SAMPLE_EVERY_S = 0.002
 GOAL_MEMORY = 1.15
 
@@ -92,18 +90,13 @@ def child(loader: str, path: str, threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
     config = AutoConfig.from_pretrained(path)  # imports the config classes (not timed, for both)
-    if loader.startswith("minisgl"):
+    if loader == "minisgl":
         import minisgl.utils
-        from minisgl import kernel
         from minisgl.distributed import set_tp_info
         from minisgl.models import ModelConfig, create_model, load_weight
         from minisgl.models.weight import load_hf_config
 
         set_tp_info(0, 1)
-        # an Engine switches the kernels on before loading (built once and cached: not timed)
-        if loader == "minisgl-kernels" and not kernel.set_enabled(True):
-            print(f"FAILED the kernels cannot be built: {kernel.unavailable_reason()}", flush=True)
-            return
 
         def load():
             cfg = ModelConfig.from_hf(load_hf_config(path))
@@ -210,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, args.model, args.threads)
         return 0
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.measure import cpu_info
+
     path = pathlib.Path(args.model).resolve()
     if not (path / "config.json").is_file():
         print(f"{path} is missing: run `make models`", file=sys.stderr)
@@ -234,23 +230,23 @@ def main(argv: list[str] | None = None) -> int:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in keys}
            for name, rs in runs.items()}
     h = med["hf"]
+    cpu, isa = cpu_info()
     print(f"\nLoading `{path.name}` (weights: {wbytes / 2**20:.1f} MiB float32), medians of "
-          f"{args.reps} runs per loader, each in a fresh process, interleaved; "
+          f"{args.reps} runs per loader, each in a fresh process, interleaved; {cpu} ({isa}), "
           f"{os.cpu_count()} CPUs, torch threads {args.threads or 'default'}.\n")
     print("| loader | load time (s) | peak load memory (MiB) | memory / weights | "
           "anon memory kept (MiB) | then read every weight once (s) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, label in (("minisgl", "minisgl: meta + load_weight + load_state_dict"),
-                        ("minisgl-kernels", "minisgl, kernels on (a CPU Engine's load)"),
                         ("hf", "HF from_pretrained(dtype=float32)")):
         r = med[name]
         print(f"| {label} | {r['seconds']:.3f} | {r['peak'] / 2**20:.1f} | "
               f"{r['peak'] / wbytes:.2f}x | {r['kept'] / 2**20:.1f} | {r['read']:.3f} |")
-    for name in ("minisgl", "minisgl-kernels"):
+    for name in ("minisgl",):
         r = med[name]
         print(f"| **{name} / HF** | {r['seconds'] / h['seconds']:.2f}x | "
               f"{r['peak'] / max(h['peak'], 1):.2f}x | | | |")
-    for name in ("minisgl", "minisgl-kernels"):
+    for name in ("minisgl",):
         r = med[name]
         mem_ok = r["peak"] <= GOAL_MEMORY * wbytes
         time_ok = r["seconds"] <= h["seconds"]

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.measure import median_ms, update_readme  # noqa: E402
+from benchmarks.measure import machine_line, median_ms, update_readme
 
 BATCH = 4
 CONFIG = {  # a Llama-architecture config; only the shapes matter (the weights are random)
@@ -107,11 +106,10 @@ def run(rounds: int, steps: int) -> str:
             ("tp=1, 2 threads", ms["tp1_t2"], 2),
             ("tp=2, 1 thread per rank (2 processes, gloo)", ms["tp2"], 2)]
     lines = [
-        f"Random Llama-shaped model (hidden 1024, 16/8 heads, 8 layers, MLP 4096, vocab 32768; "
-        f"{params / 1e6:.0f}M parameters, {params * 4 / 1e9:.2f} GB float32), batch of "
-        f"{BATCH} decode requests; {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch {torch.__version__}; {datetime.date.today()}; medians of "
-        f"{rounds} interleaved rounds x {steps} steps.",
+        (f"Random Llama-shaped model (hidden 1024, 16/8 heads, 8 layers, MLP 4096, vocab 32768; "
+         f"{params / 1e6:.0f}M parameters, {params * 4 / 1e9:.2f} GB float32), batch of "
+         f"{BATCH} decode requests; {machine_line()}; {datetime.date.today()}; medians of "
+         f"{rounds} interleaved rounds x {steps} steps."),
         "",
         "| what | cores used | ms per decode step | vs tp=1, 1 thread | vs tp=1, 2 threads |",
         "|---|---:|---:|---:|---:|",
@@ -122,15 +120,15 @@ def run(rounds: int, steps: int) -> str:
     n_coll = 2 * CONFIG["num_hidden_layers"] + 2
     lines += [
         "",
-        f"Load average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f} (other work "
-        "on the machine slows the two-core contenders most).",
+        (f"Load average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f} (other work "
+         "on the machine slows the two-core contenders most)."),
         "",
-        f"What it shows: tp=2 takes {ms['tp2'] / base:.2f}x the time of tp=1 on one core and "
-        f"{ms['tp2'] / ms['tp1_t2']:.2f}x that of tp=1 with two threads. Each rank multiplies "
-        "by half of every weight, so with two idle cores the ideal is 0.5x the one-thread step; "
-        f"what tp=2 adds is {n_coll} collectives per step (an all-reduce after o_proj and "
-        "down_proj in every layer, one after the embedding, the LM head's all-gather) over "
-        "loopback TCP, and both ranks share one memory bus.",
+        (f"What it shows: tp=2 takes {ms['tp2'] / base:.2f}x the time of tp=1 on one core and "
+         f"{ms['tp2'] / ms['tp1_t2']:.2f}x that of tp=1 with two threads. Each rank multiplies "
+         "by half of every weight, so with two idle cores the ideal is 0.5x the one-thread step; "
+         f"what tp=2 adds is {n_coll} collectives per step (an all-reduce after o_proj and "
+         "down_proj in every layer, one after the embedding, the LM head's all-gather) over "
+         "loopback TCP, and both ranks share one memory bus."),
     ]
     if ms["tp2"] < ms["tp1_t2"]:
         lines[-1] += (" Here tp=2 beat two threads in one process: at every matmul the two "

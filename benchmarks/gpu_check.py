@@ -42,18 +42,19 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # SmolLM2-135M-Instruct's config.json (models/SmolLM2-135M-Instruct), for the stand-in
-SMOLLM2_CONFIG = dict(
-    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-    rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True, initializer_range=0.02,
-    attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+SMOLLM2_CONFIG = {
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "tie_word_embeddings": True, "initializer_range": 0.02, "attention_bias": False,
+    "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}
 # SmolLM2's tokenizer on the benchmarks' prompts (benchmarks/measure.py PROMPTS)
 PROMPT_IDS = [[504, 3575, 282, 4649, 314], [6106, 1296, 9552, 2966, 42],
               [1604, 3987, 46477, 24, 94, 727], [6403, 1980, 253, 655, 28]]
 MAX_LEN = 256  # page-table entries per request
 
-from benchmarks.measure import run_step  # noqa: E402  (the working tree is on sys.path above)
+from benchmarks.measure import run_step
 
 
 def make_standin(out: Path) -> None:
@@ -152,7 +153,7 @@ def versions() -> str:
     import transformers
 
     try:
-        import flashinfer  # noqa: F401 - only its version is read
+        import flashinfer
 
         fi = getattr(flashinfer, "__version__", "installed")
     except ImportError:

@@ -13,16 +13,57 @@ Definitions (the same as benchmarks/README.md states):
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, List, Sequence
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):",
            "Once upon a time,"]
+
+
+def cpu_info() -> tuple[str, str]:
+    """The CPU's model name and its widest vector instruction set ("AVX-512", "AVX2", "SSE",
+    "NEON" or "unknown"): from /proc/cpuinfo, else from ``platform``."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "hardware", "cpu model") and not model:
+                    model = value.strip()
+                elif key in ("flags", "features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    machine = platform.machine().lower()
+    model = model or platform.processor() or machine or "unknown CPU"
+    if "avx512f" in flags:
+        isa = "AVX-512"
+    elif "avx2" in flags:
+        isa = "AVX2"
+    elif flags & {"sse2", "sse4_1", "sse4_2"}:
+        isa = "SSE"
+    elif "asimd" in flags or machine in ("aarch64", "arm64"):  # every 64-bit Arm core has NEON
+        isa = "NEON"
+    else:
+        isa = "unknown"
+    return model, isa
+
+
+def machine_line(threads: int | None = None) -> str:
+    """One line for a benchmark's header: CPU model, vector ISA, cores, threads, torch."""
+    model, isa = cpu_info()
+    threads = torch.get_num_threads() if threads is None else threads
+    wait = os.environ.get("OMP_WAIT_POLICY")
+    return (f"{model} ({isa}), {os.cpu_count()} CPUs, torch threads: {threads}"
+            f"{f', OMP_WAIT_POLICY={wait}' if wait else ''}, torch {torch.__version__}")
 
 
 def median_ms(xs: Sequence[float]) -> float:
@@ -48,7 +89,7 @@ def weight_bytes(model_path: str | Path) -> int:
     total = 0
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
+            for k in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 if k == "lm_head.weight":
                     continue  # tied checkpoints omit it; untied ones are counted below
                 sl = h.get_slice(k)
@@ -56,7 +97,7 @@ def weight_bytes(model_path: str | Path) -> int:
                 for d in sl.get_shape():
                     n *= d
                 total += n * 4  # float32
-            if "lm_head.weight" in h.keys():
+            if "lm_head.weight" in h.keys():  # noqa: SIM118
                 shape = h.get_slice("lm_head.weight").get_shape()
                 total += shape[0] * shape[1] * 4
     return total
@@ -72,14 +113,15 @@ def update_readme(marker: str, title: str, table: str) -> None:
     begin, end = f"<!-- {marker}:BEGIN -->", f"<!-- {marker}:END -->"
     block = f"{begin}\n{table}\n{end}"
     if begin in text:
-        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text,
+                      flags=re.DOTALL)
     else:
         text += f"\n## {title}\n\n{block}\n"
     readme.write_text(text)
 
 
 # ----------------------------------------------------------------------------- minisgl
-def run_step(engine, reqs, phase: str) -> List[int]:
+def run_step(engine, reqs, phase: str) -> list[int]:
     """The milestone's step(): the batch's fields filled on the CPU (padding requests included,
     when CUDA graphs pad the batch), metadata, forward + sample, each token appended to its
     request. Returns the real requests' next tokens."""
@@ -117,10 +159,10 @@ class MinisglRunner:
                             sampling_params=SamplingParams(max_tokens=n), cache_handle=None))
         return reqs
 
-    def step(self, reqs, phase: str) -> List[int]:
+    def step(self, reqs, phase: str) -> list[int]:
         return run_step(self.engine, reqs, phase)
 
-    def decode_times(self, batch_size: int, steps: int = 32, warmup: int = 4) -> List[float]:
+    def decode_times(self, batch_size: int, steps: int = 32, warmup: int = 4) -> list[float]:
         """Per-step seconds of ``steps`` decode steps of ``batch_size`` requests."""
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
         reqs = self.make_reqs(prompts, steps + warmup + 1)
@@ -136,7 +178,7 @@ class MinisglRunner:
 
 # ----------------------------------------------------------------------------- HF transformers
 def hf_decode_times(model, tokenizer, prompt: str, steps: int = 32,
-                    warmup: int = 4) -> List[float]:
+                    warmup: int = 4) -> list[float]:
     """Per-token seconds of HF decode forwards with its own KV cache (greedy feedback)."""
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     times = []
@@ -173,12 +215,12 @@ def hf_generate_tokens_per_s(model, tokenizer, prompts: Sequence[str], n: int = 
 
 # ----------------------------------------------------------------------------- step 0
 def step0_decode_times(model_path: str | Path, tokenizer, prompt: str, steps: int = 32,
-                       warmup: int = 4, model=None) -> List[float]:
+                       warmup: int = 4, model=None) -> list[float]:
     from minisgl import step0
 
     model = model or step0.load_model(model_path)
     ids = tokenizer(prompt).input_ids
-    times: List[float] = []
+    times: list[float] = []
 
     def on_step(i: int, seconds: float) -> None:
         if i > warmup:  # step 0 is the prefill
@@ -188,9 +230,9 @@ def step0_decode_times(model_path: str | Path, tokenizer, prompt: str, steps: in
     return times
 
 
-def interleave(rounds: int, *jobs: Callable[[], List[float]]) -> List[List[float]]:
+def interleave(rounds: int, *jobs: Callable[[], list[float]]) -> list[list[float]]:
     """Run each job ``rounds`` times, alternating between jobs; concatenate each job's samples."""
-    out: List[List[float]] = [[] for _ in jobs]
+    out: list[list[float]] = [[] for _ in jobs]
     for _ in range(rounds):
         for i, job in enumerate(jobs):
             out[i].extend(job())
