@@ -14,7 +14,6 @@ rows say why and the rest still runs.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
@@ -27,6 +26,7 @@ from benchmarks.measure import (
     PROMPTS,
     ROOT,
     MinisglRunner,
+    bench_parser,
     hf_decode_times,
     hf_generate_tokens_per_s,
     interleave,
@@ -164,15 +164,7 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="threads for every contender (default: the Engine's, every core)")
-    ap.add_argument("--no-readme", action="store_true", help="print only")
-    args = ap.parse_args()
+    args = bench_parser(__doc__).parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     table = run(Path(os.path.abspath(args.model)), args.rounds, args.steps, args.threads)
     print(table)

@@ -19,7 +19,6 @@ Without it, says so and exits 0. The GGUF files go to benchmarks/out/llamacpp/ (
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import datetime
 import logging
@@ -37,6 +36,7 @@ from benchmarks.measure import (
     PROMPTS,
     ROOT,
     MinisglRunner,
+    bench_parser,
     machine_line,
     median_ms,
     read_bandwidth,
@@ -345,15 +345,7 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="threads for every contender (default: the Engine's, every core)")
-    ap.add_argument("--no-readme", action="store_true", help="print only")
-    args = ap.parse_args()
+    args = bench_parser(__doc__).parse_args()
     try:
         import llama_cpp  # noqa: F401
     except ImportError as e:

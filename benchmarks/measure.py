@@ -66,6 +66,21 @@ def machine_line(threads: int | None = None) -> str:
             f"{f', OMP_WAIT_POLICY={wait}' if wait else ''}, torch {torch.__version__}")
 
 
+def bench_parser(doc: str | None):
+    """The options every decode benchmark takes: model, rounds, steps, threads, --no-readme."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads for every contender (default: the Engine's, every core)")
+    ap.add_argument("--no-readme", action="store_true", help="print only")
+    return ap
+
+
 def median_ms(xs: Sequence[float]) -> float:
     return statistics.median(xs) * 1e3
 

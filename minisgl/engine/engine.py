@@ -427,7 +427,8 @@ class Engine:
                              f"{slots - self.config.page_size} (the last page is the dummy's).")
         vocab = self.config.model_config.vocab_size
         ids = batch.input_ids
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        lo, hi = torch.aminmax(ids)  # one pass over the ids
+        if int(lo) < 0 or int(hi) >= vocab:
             at = int(((ids < 0) | (ids >= vocab)).nonzero()[0])  # the first bad token
             ends = torch.tensor([r.extend_len for r in batch.padded_reqs]).cumsum(0)
             r = batch.padded_reqs[int((ends <= at).sum())]

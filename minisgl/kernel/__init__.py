@@ -24,6 +24,8 @@ from types import MethodType, ModuleType
 import torch
 import torch.nn.functional as F
 
+from minisgl.layers.rotary import _rotation_targets
+
 from .build import KernelBuildError, cache_dir, load_or_build
 
 _MODULE: ModuleType | None = None
@@ -69,8 +71,6 @@ def _rmsnorm_fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None 
 
 
 def _rope_forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-    from minisgl.layers.rotary import _rotation_targets
-
     for x in _rotation_targets(query, key):  # q and k in one pass when they are adjacent
         _MODULE.rope_inplace(positions, x, self._cos_sin_cache, self.head_size)
     return query, key

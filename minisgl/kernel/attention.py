@@ -19,14 +19,14 @@ from . import load, unavailable_reason
 
 class CppDecodeBackend(TorchBackend):
     def __init__(self, config) -> None:
-        if load() is None:
+        self._module = load()
+        if self._module is None:
             raise RuntimeError(f"attention backend 'cpp' needs chapter 07's C++ kernels, which "
                                f"could not be built ({unavailable_reason()}): use 'torch'.")
         super().__init__(config)
         if self.kv_cache.device.type != "cpu" or self.kv_cache.dtype != torch.float32:
             raise ValueError("attention backend 'cpp' runs on the CPU in float32 only; use "
                              "'torch' (or 'fi' on a GPU).")
-        self._module = load()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
