@@ -184,16 +184,16 @@ class Engine:
         if live is not None:
             _retire(live, self, "one per process")
 
+    def _why_closed(self) -> str:
+        if self.__dict__.get("_closed_why") == "replaced":
+            return ("this Engine was replaced by a newer Engine (one per process) and shut down: "
+                    "use the newer Engine, or build a new one.")
+        return "this Engine was shut down: build a new one."
+
     def __getattr__(self, name: str):
         # only called for attributes that do not exist: say why when shutdown() released them
-        why = self.__dict__.get("_closed_why")
-        if why is not None and name in _RELEASED:
-            if why == "replaced":
-                raise AttributeError(
-                    f"engine.{name} is gone: this Engine was replaced by a newer Engine (one per "
-                    "process) and shut down; use the newer Engine, or build a new one.")
-            raise AttributeError(f"engine.{name} is gone: this Engine was shut down; build a new "
-                                 "one.")
+        if self.__dict__.get("_closed_why") is not None and name in _RELEASED:
+            raise AttributeError(f"engine.{name} is gone: {self._why_closed()}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _init(self, config: EngineConfig) -> None:
@@ -469,10 +469,7 @@ class Engine:
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
         """Run the model on a prepared batch, advance each request, sample its next token."""
         if self._closed:
-            if self._closed_why == "replaced":
-                raise RuntimeError("this Engine was replaced by a newer Engine (one per process) "
-                                   "and shut down: use the newer Engine, or build a new one.")
-            raise RuntimeError("this Engine was shut down: build a new one.")
+            raise RuntimeError(self._why_closed())
         self._check_batch(batch)
         self._check_args(batch, args)
         if self.device.type != "cpu":  # inputs built on the host move to the device once
