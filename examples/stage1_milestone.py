@@ -54,11 +54,13 @@ def generate(prompts, n=16):
     for i, t in enumerate(step(reqs, "prefill")):
         outs[i].append(t)
     t1 = time.perf_counter()
+    steps = []
     for _ in range(n - 1):
+        t2 = time.perf_counter()
         for i, t in enumerate(step(reqs, "decode")):
             outs[i].append(t)
-    t2 = time.perf_counter()
-    return outs, t1 - t0, (t2 - t1) / (n - 1)
+        steps.append(time.perf_counter() - t2)
+    return outs, t1 - t0, min(steps)   # the fastest decode step: other programs can only add time
 
 
 # ------------------------------------------------------------------ 1. the same request as step 0
@@ -72,7 +74,9 @@ prompts = [prompt, "List three prime numbers:", "def fibonacci(n):", "Once upon 
 outs, t_prefill, t_step4 = generate(prompts)
 print(f"4 requests in one batch: prefill {t_prefill * 1000:.0f} ms, decode {t_step4 * 1000:.0f} ms per step"
       f" (4 tokens per step, {4 / t_step4:.1f} tokens/s in total; a step is only {(t_step4 / t_step - 1) * 100:.0f}% slower than a single request)")
-written = sum(len(tok(p).input_ids) + 15 for p in prompts)               # per request: the prompt + the 15 new tokens fed back in
+slots = torch.cat([engine.page_table[row, :len(tok(p).input_ids) + 15]   # per request: the prompt + the 15 new tokens fed back in
+                   for row, p in enumerate(prompts)])
+written = len(torch.unique(slots // engine.config.page_size))           # the pages those slots lie in (page_size=1: one per slot)
 print(f"KV pool: {written} / {engine.num_pages} pages written; each token writes only its own page, no copies at all")
 
 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

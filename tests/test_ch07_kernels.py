@@ -43,7 +43,7 @@ def strided_rows(t: int, width: int, extra: int = 7, seed: int = 0) -> torch.Ten
 
 
 # ----------------------------------------------------------------------------- numerics
-@pytest.mark.parametrize("t", [1, 4, 300])  # 300 rows: parallel_for splits them over threads
+@pytest.mark.parametrize("t", [1, 4, 300])  # 300 rows: split_rows splits them over threads
 def test_fused_add_rmsnorm_equals_the_learner_code(kmod, t):
     from minisgl.layers import RMSNormFused
 
@@ -152,6 +152,35 @@ def test_linear_equals_a_float64_matmul(kmod, m, n, k):
         err = (y.double() - want).abs().max().item()
         assert err < 1e-4 * (1 + want.abs().max().item()), (
             f"linear({m}x{k} @ {n}x{k}, bias={bias is not None}) is {err:.2e} off float64")
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_work_split_over_threads_gives_the_same_bits(kmod, threads):
+    """``split_rows`` (csrc/common.h) hands all chunks but the first to torch's inter-op threads;
+    every output row or tile is computed by the same code whichever thread runs it, so the
+    results must equal one thread's bit for bit (a chunk lost or done twice would not)."""
+    g = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(4, 576, generator=g), torch.randn(3077, 576, generator=g), None
+    rows, weight = strided_rows(301, 576, seed=6), torch.randn(576, generator=g)
+    gate_up = torch.randn(299, 2 * 96, generator=g)
+
+    def run():
+        return [kmod.linear(x, w, b), kmod.rmsnorm(rows, weight, 1e-5),
+                kmod.silu_and_mul(gate_up)]
+
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = run()
+        torch.set_num_threads(threads)
+        for _ in range(3):
+            # memory a lost chunk would leave behind holds NaN, not an earlier run's results
+            poison = [torch.full_like(ref, float("nan")) for ref in want]
+            del poison
+            for got, ref in zip(run(), want):
+                assert torch.equal(got, ref), f"{threads} threads changed a kernel's result"
+    finally:
+        torch.set_num_threads(old)
 
 
 def test_small_batch_linear_hands_a_prefill_to_mkl(kmod, monkeypatch):

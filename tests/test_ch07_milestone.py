@@ -3,9 +3,10 @@
 `examples/stage1_milestone.py` drives the Engine of chapters 01-06 by hand (one request, then four
 in one batch) and compares every request's 16 greedy tokens with Hugging Face's `generate`: that
 comparison, printed by the script, is the independent reference checked here. The test also
-recomputes the number of KV slots written from the tokenizer, and checks every line's format.
-It runs twice: as written (the default Engine: the learner's code) and with the one change
-``cpu_kernels=True`` (chapter 07's fused kernels, attention backend "cpp").
+recomputes the number of KV pages written from the tokenizer, and checks every line's format.
+It runs three times: as written (the default Engine: the learner's code, pages of one token),
+with the one change ``page_size=4`` (the checkpoint's rerun: same tokens, fewer pages written),
+and with the one change ``cpu_kernels=True`` (chapter 07's fused kernels, attention backend "cpp").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow  # every test shares two runs of the milestone script
+pytestmark = pytest.mark.slow  # every test shares three runs of the milestone script
 SCRIPT = ROOT / "examples" / "stage1_milestone.py"
 PROMPTS = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):",
            "Once upon a time,"]
@@ -28,8 +29,12 @@ EARLIER = ("01", "02", "03", "04", "05", "06")
 
 ENGINE_LINE = {config: re.compile(rf"the real structure: cpu, attention backend {backend}, KV "
                                   r"pool 1024 pages, \d+ threads \(set by the Engine itself\)")
-               for config, backend in (("default", "torch"), ("cpu_kernels", "cpp"))}
-KERNEL_SWITCH = ("max_seq_len_override=256))", "max_seq_len_override=256, cpu_kernels=True))")
+               for config, backend in (("default", "torch"), ("page_size4", "torch"),
+                                       ("cpu_kernels", "cpp"))}
+ENGINE_CONFIG_END = "max_seq_len_override=256))"  # the one change each variant makes to the script
+CHANGES = {"page_size4": "max_seq_len_override=256, page_size=4))",
+           "cpu_kernels": "max_seq_len_override=256, cpu_kernels=True))"}
+PAGE_SIZE = {"default": 1, "page_size4": 4, "cpu_kernels": 1}
 SINGLE_LINE = re.compile(r"single request: (['\"]).*\1")
 TIMING_LINE = re.compile(r"  prefill \d+ ms, decode \d+ ms per step \(\d+\.\d tokens/s\)")
 BATCH_LINE = re.compile(r"4 requests in one batch: prefill \d+ ms, decode \d+ ms per step "
@@ -67,21 +72,22 @@ def earlier_chapters():
     require(*ready)
 
 
-@pytest.fixture(scope="module", params=["default", "cpu_kernels"])
+@pytest.fixture(scope="module", params=["default", "page_size4", "cpu_kernels"])
 def run(request, tmp_path_factory):
     """Run the script once per configuration: (process, stdout lines, a report on failure)."""
     quick_check()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     script = str(SCRIPT.relative_to(ROOT))
-    if request.param == "cpu_kernels":
-        from helpers import require_kernels
+    if request.param in CHANGES:
+        if request.param == "cpu_kernels":
+            from helpers import require_kernels
 
-        require_kernels()
+            require_kernels()
         text = SCRIPT.read_text(encoding="utf-8")
-        assert text.count(KERNEL_SWITCH[0]) == 1, "the script's EngineConfig line changed"
-        copy = tmp_path_factory.mktemp("milestone") / "stage1_milestone_kernels.py"
-        copy.write_text(text.replace(*KERNEL_SWITCH), encoding="utf-8")
+        assert text.count(ENGINE_CONFIG_END) == 1, "the script's EngineConfig line changed"
+        copy = tmp_path_factory.mktemp("milestone") / f"stage1_milestone_{request.param}.py"
+        copy.write_text(text.replace(ENGINE_CONFIG_END, CHANGES[request.param]), encoding="utf-8")
         script = str(copy)
     try:
         proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env,
@@ -130,19 +136,21 @@ def test_batch_line(run):
         "expected one '4 requests in one batch: ...' line in the script's format:" + report)
 
 
-def test_pool_line_counts_the_slots_written(run):
+def test_pool_line_counts_the_pages_written(run):
     from transformers import AutoTokenizer
 
     _, lines, report, config = run
     found = [m for m in map(POOL_LINE.fullmatch, lines) if m]
     assert len(found) == 1, "expected one 'KV pool: N / 1024 pages written' line:" + report
     tok = AutoTokenizer.from_pretrained(model_dir())
-    # each request writes its prompt, then the first 15 of its 16 new tokens as they are fed back
-    expected = sum(len(tok(p).input_ids) + NEW_TOKENS - 1 for p in PROMPTS)
+    # each request writes its prompt, then the first 15 of its 16 new tokens as they are fed back,
+    # into slots 256 r, 256 r + 1, ...: whole pages from the start of row r's range
+    ps = PAGE_SIZE[config]
+    tokens = [len(tok(p).input_ids) + NEW_TOKENS - 1 for p in PROMPTS]
+    expected = sum(-(-n // ps) for n in tokens)
     assert int(found[0][1]) == expected, (
-        f"the script reports {found[0][1]} pages written, but 4 prompts of "
-        f"{[len(tok(p).input_ids) for p in PROMPTS]} tokens plus 15 fed-back tokens each make "
-        f"{expected}:" + report)
+        f"the script reports {found[0][1]} pages written, but 4 requests writing {tokens} tokens "
+        f"(prompt + 15 fed-back tokens) into pages of {ps} make {expected} pages:" + report)
 
 
 def test_every_request_matches_hf(run):

@@ -13,13 +13,16 @@ the attention backend ``"cpp"`` (registered below) replaces decode attention:
 - backend ``"cpp"``: prefill is chapter 05's ``TorchBackend``; decode stores k, v with the pool's
   ``store_kv`` (chapter 04), then calls ``decode_attention``.
 
-A default Engine never imports this package, so it runs exactly the chapters' code.
+The files: ``csrc.cpp`` and ``csrc/*.h`` (the C++), ``cache.py`` (where the library is kept,
+the build lock), ``build.py`` (compile, verify, load), this file (``load()`` and the Python side
+of each kernel), ``binding.py`` (``bind``) and ``attention.py`` (the ``"cpp"`` backend). A
+default Engine never imports this package, so it runs exactly the chapters' code.
 """
 
 from __future__ import annotations
 
 import sys
-from types import MethodType, ModuleType
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +33,7 @@ from .build import KernelBuildError, cache_dir, load_or_build
 
 _MODULE: ModuleType | None = None
 _FAILED: str | None = None  # why the build failed (not retried in this process)
-FLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for uses every thread
+FLAGS = ["-O3", "-march=native"]  # the vector width of this CPU (linear.h)
 LINEAR_MAX_ROWS = 16  # up to here `linear` beats MKL; beyond, MKL's blocked GEMM wins
 
 
@@ -41,7 +44,7 @@ def load() -> ModuleType | None:
     if _MODULE is not None or _FAILED is not None:
         return _MODULE
     errors = []
-    for flags in (FLAGS, ["-O3"]):  # some compilers reject -march=native or -fopenmp
+    for flags in (FLAGS, ["-O3"]):  # some compilers reject -march=native
         try:
             _MODULE = load_or_build(flags)
             return _MODULE
@@ -89,48 +92,6 @@ def small_batch_linear(x: torch.Tensor, w: torch.Tensor,
     return F.linear(x, w, bias)
 
 
-def bind(model) -> int:
-    """Give ``model``'s ops their fused implementations; returns how many ops were bound.
-
-    Called once by the Engine (``cpu_kernels=True``) after it built and loaded the model. Ops are
-    changed one by one (an instance's ``forward`` or its ``_matmul`` / ``_act_fn``); the class
-    keeps the chapter's code. The rope table, shared by all layers (and cached for later models),
-    is copied rather than changed.
-    """
-    from minisgl.layers import AttentionLayer, ParallelLMHead, RMSNormFused, silu_and_mul as silu
-    from minisgl.layers.base import BaseOP, OPList
-    from minisgl.layers.linear import _LinearTPImpl
-    from minisgl.models.utils import GatedMLP
-
-    if load() is None:
-        raise KernelBuildError(f"the C++ kernels are unavailable: {_FAILED}")
-    threads_ok = bool(_MODULE.has_openmp()) or torch.get_num_threads() == 1
-    bound, ropes, seen, todo = 0, {}, set(), [model]
-    while todo:
-        op = todo.pop()
-        if id(op) in seen:
-            continue
-        seen.add(id(op))
-        children = op.op_list if isinstance(op, OPList) else list(op.__dict__.values())
-        todo += [c for c in children if isinstance(c, BaseOP)]
-        if isinstance(op, RMSNormFused):
-            op.forward = MethodType(_rmsnorm_fused_forward, op)
-        elif isinstance(op, (_LinearTPImpl, ParallelLMHead)) and threads_ok:
-            op._matmul = small_batch_linear  # without OpenMP it would run on one thread: keep MKL
-        elif isinstance(op, GatedMLP) and op._act_fn is silu:
-            op._act_fn = silu_and_mul
-        elif isinstance(op, AttentionLayer) and op.rotary._cos_sin_cache.is_cpu:
-            if id(op.rotary) not in ropes:  # one bound copy of each shared table
-                rope = ropes[id(op.rotary)] = object.__new__(type(op.rotary))
-                rope.__dict__.update(op.rotary.__dict__)
-                rope.forward = MethodType(_rope_forward, rope)
-            op.rotary = ropes[id(op.rotary)]
-        else:
-            continue
-        bound += 1
-    return bound
-
-
 # ------------------------------------------------------------------ the "cpp" attention backend
 def _register_backend() -> None:
     from minisgl.attention import SUPPORTED_ATTENTION_BACKENDS
@@ -143,6 +104,7 @@ def _register_backend() -> None:
 
 
 _register_backend()
+from .binding import bind  # last: it imports the functions above
 
-__all__ = ["FLAGS", "KernelBuildError", "LINEAR_MAX_ROWS", "bind", "cache_dir", "load",
+__all__ = ["FLAGS", "LINEAR_MAX_ROWS", "KernelBuildError", "bind", "cache_dir", "load",
            "silu_and_mul", "small_batch_linear", "unavailable_reason"]

@@ -36,7 +36,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   float* op = o.data_ptr<float>();
   const int64_t qs = q.stride(0);
   // one task per (request, KV head): its G query heads read each key and value row once
-  at::parallel_for(0, B * Hkv, 4, [&](int64_t lo, int64_t hi) {
+  split_rows(0, B * Hkv, 4, [&](int64_t lo, int64_t hi) {
     std::vector<float> p(G * L);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / Hkv, hk = task % Hkv, n = lens[b];

@@ -59,14 +59,6 @@ void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K,
 
 int64_t vector_lanes() { return kLanes; }  // floats per vector in linear's tiles
 
-bool has_openmp() {  // without OpenMP, at::parallel_for runs on one thread
-#ifdef _OPENMP
-  return true;
-#else
-  return false;
-#endif
-}
-
 // y = x @ w.T (+ bias) for a few rows of x (a decode batch), w [N, K] in the checkpoint's
 // layout: each output feature's K weights contiguous. MKL's GEMM, tuned for large products,
 // reads the weight much more slowly with 2-16 rows than with one; here every weight byte is
@@ -93,7 +85,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldw = w.stride(0), tiles = (N + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 16, [&](int64_t lo, int64_t hi) {
+  split_rows(0, tiles, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t n0 = t * kTileRows, nn = std::min<int64_t>(kTileRows, N - n0);
       const float* wr[kTileRows];  // a short last tile repeats its last row (never stored)
