@@ -15,6 +15,7 @@ from minisgl.distributed import DistributedInfo
 from minisgl.models.weight import resolve_model_path
 
 from .memory import total_memory
+from .setup import resolve_device
 
 _GiB = 1 << 30
 _COUNTS = ("max_running_req", "page_size", "num_page_override", "max_seq_len_override",
@@ -65,7 +66,7 @@ def validate_config(config) -> None:
     if config.cpu_kernels and config.dtype != torch.float32:
         raise ValueError(f"cpu_kernels=True with dtype={config.dtype}: the C++ kernels are "
                          "float32 only; use dtype=torch.float32, or cpu_kernels=False.")
-    if not isinstance(config.page_size, int) or config.page_size < 1:
+    if config.page_size < 1:
         raise ValueError(f"page_size={config.page_size!r}: a page holds at least one token; use "
                          "1, or a power of two such as 4 or 16.")
     if not 0.0 < config.memory_ratio <= 1.0:
@@ -115,11 +116,7 @@ def validate_config(config) -> None:
                          f"({mc.num_qo_heads} query heads, {mc.num_kv_heads} KV heads); "
                          f"sizes that work: {ok}.")
     if config.num_page_override is not None:  # a pool that can never fit: fail before loading
-        device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda":
-            device = f"cuda:{config.tp_info.rank}"
+        device = str(resolve_device(config.device, config.tp_info.rank))
         need = (config.num_page_override + 1) * config.kv_cache_bytes_per_page  # + dummy page
         have = total_memory(device)
         if need > have:

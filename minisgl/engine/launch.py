@@ -3,12 +3,9 @@
 
     python -m minisgl.engine.launch --tp 2 [--model PATH] [--page-size N] [--timeout S]
 
-It runs the four prompts (prefill + 15 greedy decode steps) with tp=1 in this process first, then
-with ``tp`` ranks (ranks.py), and rank 0 prints the tokens and whether they match. The model's
-head counts decide which tp sizes work: each rank needs a whole number of query heads (and of KV
-heads, or one whole KV head copied on several ranks); the check runs here, before any process
-starts. SmolLM2-135M has 9 query heads and 3 KV heads, so tp=2 is refused; without ``--model``,
-the launcher picks the first model (Qwen3-0.6B, SmolLM2, tiny-qwen2) that splits.
+The four prompts run with tp=1 in this process first, then on ``tp`` ranks (ranks.py); rank 0
+prints the tokens and whether they match. A tp size that does not split the model's heads is
+refused before any process starts; without ``--model``, the first of CANDIDATES that splits runs.
 """
 
 from __future__ import annotations

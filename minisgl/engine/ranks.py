@@ -5,11 +5,8 @@ parent), and calls ``fn(rank, tp_size, *args)`` in each, with one thread per ran
 ``MINISGL_DIST_ADDR`` pointing at that port, where every rank's Engine meets the others. When a
 rank raises, the others are killed (a rank blocked in a collective would otherwise wait for its
 peer until ``distributed_timeout``) and ``launch`` raises that rank's error; past ``timeout``
-every rank is killed. It returns each rank's return value. Only rank 0 prints.
-
-A process group lives as long as the Engine that created it. A second tp Engine in the same
-processes needs a new address: a fast rank could meet the previous group's store, still open on
-a slower rank, and read its stale entries.
+every rank is killed. It returns each rank's return value. Only rank 0 prints. (A second tp
+Engine in the same processes needs a new address: a fast rank could meet the old group's store.)
 """
 
 from __future__ import annotations
