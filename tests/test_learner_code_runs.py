@@ -138,7 +138,7 @@ def engine_modules() -> set[str]:
     such as chapter 00's generator or the FlashInfer backend, are not the Engine's code)."""
     import subprocess
 
-    code = ("import sys, minisgl.engine\n"
+    code = ("import sys\nfrom minisgl.engine import Engine  # noqa: F401\n"
             "print('\\n'.join(m.__file__ for n, m in sys.modules.items()\n"
             "                 if n.split('.')[0] == 'minisgl' and getattr(m, '__file__', None)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

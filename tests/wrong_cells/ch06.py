@@ -21,6 +21,12 @@ CASES = [
     ("6.1", "minisgl/engine/sample.py",
      "top-k off by one: rank > k keeps k + 1 tokens",
      (("masked_fill(rank >= top_k[:, None], 0.0)", "masked_fill(rank > top_k[:, None], 0.0)"),)),
+    ("6.1", "minisgl/engine/sample.py",
+     "temperature multiplies the logits instead of dividing them",
+     (("logits.float() / temperatures[:, None]", "logits.float() * temperatures[:, None]"),)),
+    ("6.1", "minisgl/engine/sample.py",
+     "returns the drawn rank, not the token id (order forgotten)",
+     (("return order.gather(1, choice).squeeze(1)  # rank -> token id", "return choice.squeeze(1)"),)),
     # 6.2: Sampler.prepare
     ("6.2", "minisgl/engine/sample.py",
      "top_k = -1 ('off') copied into the tensor for a row that cuts nothing",
