@@ -80,7 +80,7 @@ class Sampler:
                                  f"({self.vocab_size} tokens); use -1 for no top-k cut.")
         if all(p is None or p.is_greedy for p in params):
             return BatchSamplingArgs(None)
-        # BEGIN SOLUTION 6.2: temperatures always; top_k / top_p only when some row needs them
+        # BEGIN SOLUTION 6.2: temperature, top_k, top_p per row (no cut: vocab_size, 1.0)
         temps = [1e-6 if (p is None or p.is_greedy) else max(p.temperature, 1e-6) for p in params]
         ks = [self.vocab_size if (p is None or p.top_k < 1) else p.top_k for p in params]
         ps = [1.0 if p is None else min(max(p.top_p, 1e-6), 1.0) for p in params]

@@ -11,7 +11,7 @@ _TP_INFO = "        set_tp_info(config.tp_info.rank, config.tp_info.size)\n"
 _MODEL = "        self.model.load_state_dict(weight_state_dict(self.model, config, self.device))\n"
 
 CASES = [
-    # 6.1: top-k then top-p in sample_impl
+    # 6.1: sample_impl (temperature, top-k, top-p, draw)
     ("6.1", "minisgl/engine/sample.py",
      "top-p on the raw probabilities: no renormalisation of the top-k survivors",
      (("kept = sorted_p / sorted_p.sum(-1, keepdim=True)", "kept = sorted_p"),)),
@@ -26,17 +26,20 @@ CASES = [
      (("logits.float() / temperatures[:, None]", "logits.float() * temperatures[:, None]"),)),
     ("6.1", "minisgl/engine/sample.py",
      "returns the drawn rank, not the token id (order forgotten)",
-     (("return order.gather(1, choice).squeeze(1)  # rank -> token id", "return choice.squeeze(1)"),)),
+     (("return order.gather(1, choice).squeeze(1)  # rank -> token id",
+       "return choice.squeeze(1)"),)),
     # 6.2: Sampler.prepare
     ("6.2", "minisgl/engine/sample.py",
      "top_k = -1 ('off') copied into the tensor for a row that cuts nothing",
      ((_NO_CUT_K, "ks = [self.vocab_size if p is None else p.top_k for p in params]"),)),
     ("6.2", "minisgl/engine/sample.py",
      "a greedy row in a sampled batch is not limited to its argmax (top_k = 1 forgotten)",
-     (("        ks = [1 if (p is None or p.is_greedy) else k for p, k in zip(params, ks)]\n", ""),)),
+     (("        ks = [1 if (p is None or p.is_greedy) else k for p, k in zip(params, ks)]\n",
+       ""),)),
     ("6.2", "minisgl/engine/sample.py",
      "greedy rows get temperature 0 (logits / 0)",
-     (("temps = [1e-6 if (p is None or p.is_greedy)", "temps = [0.0 if (p is None or p.is_greedy)"),)),
+     (("temps = [1e-6 if (p is None or p.is_greedy)",
+       "temps = [0.0 if (p is None or p.is_greedy)"),)),
     ("6.2", "minisgl/engine/sample.py",
      "top_k / top_p tensors built even when no row cuts (no None shortcut)",
      (("if any(k != self.vocab_size for k in ks) else None)", "if True else None)"),
