@@ -476,8 +476,8 @@ def test_kv_pool_budget_counts_the_weights(monkeypatch):
         per_page = engine.config.kv_cache_bytes_per_page
         want = int((0.5 * free - weights) // per_page)
         assert engine.num_pages == want, (
-            f"the KV pool has {engine.num_pages} pages; 0.5 x {free} bytes free minus {weights} "
-            f"bytes of weights leaves room for {want}")
+            f"Exercise 6.6 (determine_num_pages): the KV pool has {engine.num_pages} pages; 0.5 x "
+            f"{free} bytes free minus {weights} bytes of weights leaves room for {want}")
     finally:
         engine.shutdown()
 

@@ -64,7 +64,16 @@ def determine_num_pages(engine, free_before_model: int) -> int:
     config = engine.config
     per_page = config.kv_cache_bytes_per_page
     reclaim = held_bytes(engine._replacing, engine.device)
-    if config.num_page_override is not None:
+    free = free_before_model + reclaim
+    if engine.device.type == "cpu":  # tp ranks on one machine share its memory
+        free //= config.tp_info.size
+    model_bytes = _nbytes(engine.model.state_dict().values())
+    # BEGIN SOLUTION 6.6: the pages that fit beside the weights, capped at what requests can use
+    budget = config.memory_ratio * free - model_bytes
+    useful = -(-config.max_running_req * config.max_seq_len // config.page_size)  # ceil
+    num_pages = min(int(budget // per_page), useful)
+    # END SOLUTION
+    if config.num_page_override is not None:  # the override wins over the budget
         num_pages = config.num_page_override
         need, have = (num_pages + 1) * per_page, available_memory(engine.device) + reclaim
         if need > have:
@@ -74,13 +83,6 @@ def determine_num_pages(engine, free_before_model: int) -> int:
                 "available: use fewer pages (or a smaller page_size).")
         _make_room(engine, need)
         return num_pages
-    free = free_before_model + reclaim
-    if engine.device.type == "cpu":  # tp ranks on one machine share its memory
-        free //= config.tp_info.size
-    model_bytes = _nbytes(engine.model.state_dict().values())
-    budget = config.memory_ratio * free - model_bytes
-    useful = -(-config.max_running_req * config.max_seq_len // config.page_size)
-    num_pages = min(int(budget // per_page), useful)
     if num_pages < 1:
         raise MemoryError(
             f"memory_ratio={config.memory_ratio} leaves no room for the KV pool: "

@@ -8,6 +8,7 @@ _FORWARD = """            with self.ctx.forward_batch(batch):
                     logits = self.model.forward()
 """
 _TP_INFO = "        set_tp_info(config.tp_info.rank, config.tp_info.size)\n"
+_BUDGET = "budget = config.memory_ratio * free - model_bytes"
 _MODEL = "        self.model.load_state_dict(weight_state_dict(self.model, config, self.device))\n"
 
 CASES = [
@@ -92,4 +93,19 @@ CASES = [
             else:
                 logits = self.model.forward()
 """),)),
+    # 6.6: determine_num_pages
+    ("6.6", "minisgl/engine/memory.py",
+     "the weights not subtracted from the budget",
+     ((_BUDGET, "budget = config.memory_ratio * free"),)),
+    ("6.6", "minisgl/engine/memory.py",
+     "memory_ratio applied to what the weights leave",
+     ((_BUDGET, "budget = config.memory_ratio * (free - model_bytes)"),)),
+    ("6.6", "minisgl/engine/memory.py",
+     "no cap: more pages than the requests could ever fill",
+     (("num_pages = min(int(budget // per_page), useful)",
+       "num_pages = int(budget // per_page)"),)),
+    ("6.6", "minisgl/engine/memory.py",
+     "the cap rounded down",
+     (("useful = -(-config.max_running_req * config.max_seq_len // config.page_size)  # ceil",
+       "useful = config.max_running_req * config.max_seq_len // config.page_size"),)),
 ]
