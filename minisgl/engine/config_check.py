@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import torch
 
 from minisgl.distributed import DistributedInfo
 from minisgl.models.weight import resolve_model_path
 
-from .memory import total_memory
 from .setup import resolve_device
 
 _GiB = 1 << 30
@@ -25,6 +25,13 @@ _COUNTS = ("max_running_req", "page_size", "num_page_override", "max_seq_len_ove
 def _is_count(value) -> bool:
     """An int (numpy's too), never a bool, float or string: ``True`` is an int in Python."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def total_memory(device: str) -> int:
+    """Bytes of memory the device has in all (CPU: the machine's RAM)."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def validate_config(config) -> None:
@@ -58,8 +65,6 @@ def validate_config(config) -> None:
     for name in ("attention_backend", "device"):
         if not isinstance(getattr(config, name), str):
             raise TypeError(f"{name}={getattr(config, name)!r}: use a string such as 'auto'.")
-    if config.max_running_req < 1:
-        raise ValueError(f"max_running_req={config.max_running_req}: need at least 1.")
     if not isinstance(config.cpu_kernels, bool):
         raise TypeError(f"cpu_kernels={config.cpu_kernels!r}: use True (chapter 07's fused "
                         "C++ kernels) or False (the chapters' torch code, the default).")
@@ -72,12 +77,9 @@ def validate_config(config) -> None:
     if not 0.0 < config.memory_ratio <= 1.0:
         raise ValueError(f"memory_ratio={config.memory_ratio}: must be in (0, 1], the share of "
                          "available memory the weights and KV pool may use.")
-    if config.num_page_override is not None and config.num_page_override < 1:
-        raise ValueError(f"num_page_override={config.num_page_override}: need at least 1 page.")
-    if config.max_seq_len_override is not None and config.max_seq_len_override < 1:
-        raise ValueError(f"max_seq_len_override={config.max_seq_len_override}: need >= 1.")
-    if config.num_threads is not None and config.num_threads < 1:
-        raise ValueError(f"num_threads={config.num_threads}: need at least 1 (or None).")
+    for name in ("max_running_req", "num_page_override", "max_seq_len_override", "num_threads"):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ValueError(f"{name}={getattr(config, name)}: need at least 1.")
     if config.device not in ("auto", "cpu") and not config.device.startswith("cuda"):
         raise ValueError(f"device={config.device!r}: use 'auto', 'cpu' or 'cuda'.")
     if config.device.startswith("cuda") and not torch.cuda.is_available():

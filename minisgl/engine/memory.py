@@ -8,8 +8,6 @@ and it is shut down early when the new pool does not fit beside it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .lifecycle import retire
@@ -31,13 +29,6 @@ def available_memory(device: torch.device) -> int:
     import psutil  # pragma: no cover - macOS and others without /proc
 
     return psutil.virtual_memory().available
-
-
-def total_memory(device: str) -> int:
-    """Bytes of memory the device has in all (CPU: the machine's RAM)."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_properties(torch.device(device)).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _nbytes(tensors) -> int:
