@@ -1,4 +1,4 @@
-"""Chapter 00: the step-0 skeleton (minisgl/step0.py) against Hugging Face transformers.
+"""Chapter 00: the step-0 skeleton (minisgl/step0/) against Hugging Face transformers.
 
 References: HF's models (greedy tokens, full-sequence logits, its RMSNorm module) and plain
 per-query torch loops for attention. Exercises: 0.1 rms_norm, 0.2 attention, 0.3 decode loop.
@@ -130,6 +130,33 @@ def test_llama3_rope_is_refused():
     with pytest.raises(ValueError, match="default rope") as info:
         step0.load_model(model_path("tiny-llama3-rope"))
     assert "chapter 02" in str(info.value), "the error should say that chapter 02 adds llama3"
+
+
+def test_generate_decode_steps(monkeypatch):
+    """Each decode step feeds the newest token alone, at its position, with the same kv list.
+
+    A position off by one changes the logits only slightly (RoPE sees distances), so greedy
+    tokens can still match; this records what generate passes to forward instead."""
+    from minisgl.step0 import generation
+
+    model, prompt, calls = load("tiny-llama"), fixed_ids(6, seed=7).tolist(), []
+    real = generation.forward
+
+    def recording(model, ids, pos, kv):
+        calls.append((ids.tolist(), pos.tolist(), kv[0][0].shape[0] if kv else 0))
+        return real(model, ids, pos, kv)
+
+    monkeypatch.setattr(generation, "forward", recording)
+    new = generation.generate(model, prompt, 4)
+    assert len(new) == 4 and len(calls) == 4, (
+        f"Exercise 0.3 (decode loop): generate(..., 4) made {len(calls)} forward calls and "
+        f"returned {len(new)} tokens; expected one prefill and 3 decode steps, 4 tokens")
+    for i, (ids, pos, cached) in enumerate(calls[1:], start=1):
+        want = len(prompt) + i - 1
+        assert (ids, pos, cached) == ([new[i - 1]], [want], want), (
+            f"Exercise 0.3 (decode loop): decode step {i} fed tokens {ids} at positions {pos} "
+            f"with {cached} cached rows; expected [{new[i - 1]}] at [{want}] (len(input_ids) + "
+            f"i - 1) with {want} cached rows (the same kv list every step)")
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ _TOP_P = ("    if top_p is not None:\n"
           "0.0)\n")
 
 MUTATIONS = [
-    Mutation("00", "0.2", "minisgl/step0.py",
+    Mutation("00", "0.2", "minisgl/step0/layers.py",
              "no-causal-mask: attention forgets to mask the future",
              ((_CAUSAL_MASK, ""),)),
     Mutation("01", "1.3", "minisgl/core.py",
