@@ -14,8 +14,8 @@ from .model import Step0Model
 def forward(model: Step0Model, ids: torch.Tensor, pos: torch.Tensor, kv: list) -> torch.Tensor:
     """Run the new tokens ids [T] at positions pos [T]; return their float32 logits [T, V].
 
-    kv holds one [k, v] pair per layer for the tokens seen so far (an empty list before the
-    prefill); this call appends the new tokens' keys and values to it.
+    kv holds one [k, v] pair per layer for the tokens seen so far, oldest first (an empty list
+    before the prefill); this call appends the new tokens' keys and values to it.
     """
     w, T, eps = model.weights, ids.shape[0], model.eps
     Hq, Hkv, D = model.num_heads, model.num_kv_heads, model.head_dim
@@ -30,11 +30,13 @@ def forward(model: Step0Model, ids: torch.Tensor, pos: torch.Tensor, kv: list) -
             q = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
             k = rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
         q, k = rope(q, pos, model.rope_theta), rope(k, pos, model.rope_theta)
+        # BEGIN SOLUTION 0.4: append the new k and v rows to this layer's cache kv[i] (torch.cat)
         if len(kv) == i:  # first call: this layer's history starts empty
             kv.append([k[:0], v[:0]])
         # the naive cache: copy the whole history plus the new rows into fresh tensors
         kv[i][0] = torch.cat([kv[i][0], k])  # [S, Hkv, D]
         kv[i][1] = torch.cat([kv[i][1], v])  # [S, Hkv, D]
+        # END SOLUTION
         h = h + linear(attention(q, kv[i][0], kv[i][1]), w, p + "self_attn.o_proj")
         h = h + mlp(rms_norm(h, w[p + "post_attention_layernorm.weight"], eps), w, p + "mlp.")
     h = rms_norm(h, w["model.norm.weight"], eps)  # [T, hidden]

@@ -37,3 +37,15 @@ CASES = [
     ("0.3", "minisgl/step0/generation.py", "on_step is never called for the decode steps",
      (("            on_step(i, time.perf_counter() - start)\n", "            pass\n"),)),
 ]
+
+_CAT_K = "        kv[i][0] = torch.cat([kv[i][0], k])  # [S, Hkv, D]\n"
+_CAT_V = "        kv[i][1] = torch.cat([kv[i][1], v])  # [S, Hkv, D]\n"
+CASES += [
+    ("0.4", "minisgl/step0/generation.py", "the cache is replaced by the new rows, not grown",
+     ((_CAT_K, "        kv[i][0] = k\n"), (_CAT_V, "        kv[i][1] = v\n"))),
+    ("0.4", "minisgl/step0/generation.py", "new rows first: torch.cat([k, kv[i][0]])",
+     ((_CAT_K, _CAT_K.replace("[kv[i][0], k]", "[k, kv[i][0]]")),
+      (_CAT_V, _CAT_V.replace("[kv[i][1], v]", "[v, kv[i][1]]")))),
+    ("0.4", "minisgl/step0/generation.py", "the first call stores the rows, then appends them again",
+     (("            kv.append([k[:0], v[:0]])\n", "            kv.append([k, v])\n"),)),
+]
