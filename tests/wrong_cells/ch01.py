@@ -55,3 +55,11 @@ CASES = [
     ("1.5", "minisgl/utils/misc.py", "replicate returns the copies per item, b // a, not 1",
      (("        return 1\n", "        return b // a\n"),)),
 ]
+
+CASES += [
+    ("1.4", "minisgl/core.py", "nesting refused with an assert, as upstream, not a RuntimeError",
+     ((_NESTING, "        assert self._batch is None, \"a batch is already active\"\n"),)),
+    ("1.5", "minisgl/utils/misc.py", "the error does not name the numbers",
+     ((_EVEN, "    if a % b != 0:\n        raise ValueError(\"cannot split the items evenly over the "
+              "ranks.\")\n"),)),
+]
