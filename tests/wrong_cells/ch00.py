@@ -4,8 +4,10 @@ _NORM = "    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [...,
 _SCORES = '    scores = torch.einsum("thd,shd->hts", q, k) / D**0.5  # [Hq, T, S]\n'
 _MASK = ('    scores = scores.masked_fill(future, float("-inf"))  # exp(-inf) = 0: no weight on '
          'the future\n')
-_POS = "        pos = torch.tensor([len(input_ids) + i - 1])  # [1]: its place in the whole sequence\n"
-_CALL = "        logits = forward(model, ids, pos, kv)  # [1, V]; every layer's kv grows by one row\n"
+_POS = ("        pos = torch.tensor([len(input_ids) + i - 1])  # [1]: its place in the whole "
+        "sequence\n")
+_CALL = ("        logits = forward(model, ids, pos, kv)  # [1, V]; every layer's kv grows by one "
+         "row\n")
 
 CASES = [
     # (exercise, module path, what the learner got wrong, ((old, new), ...))
@@ -46,6 +48,7 @@ CASES += [
     ("0.4", "minisgl/step0/generation.py", "new rows first: torch.cat([k, kv[i][0]])",
      ((_CAT_K, _CAT_K.replace("[kv[i][0], k]", "[k, kv[i][0]]")),
       (_CAT_V, _CAT_V.replace("[kv[i][1], v]", "[v, kv[i][1]]")))),
-    ("0.4", "minisgl/step0/generation.py", "the first call stores the rows, then appends them again",
+    ("0.4", "minisgl/step0/generation.py",
+     "the first call stores the rows, then appends them again",
      (("            kv.append([k[:0], v[:0]])\n", "            kv.append([k, v])\n"),)),
 ]

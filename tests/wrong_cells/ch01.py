@@ -44,7 +44,8 @@ CASES = [
     ("1.3", "minisgl/req.py", "cached_len += 1: right for a decode step, wrong after a prefill",
      ((_COMPLETE, "        self.cached_len += 1\n        self.device_len += 1\n"),)),
     ("1.4", "minisgl/core.py", "no try/finally: an exception in the body leaves the batch set",
-     ((_FORWARD_BATCH, "        self._batch = batch\n        yield\n        self._batch = None\n"),)),
+     ((_FORWARD_BATCH,
+       "        self._batch = batch\n        yield\n        self._batch = None\n"),)),
     ("1.4", "minisgl/core.py", "nesting is not refused", ((_NESTING, ""),)),
     ("1.4", "minisgl/core.py", "the batch is never installed",
      ((_FORWARD_BATCH, _FORWARD_BATCH.replace("        self._batch = batch\n", "")),)),
@@ -60,6 +61,6 @@ CASES += [
     ("1.4", "minisgl/core.py", "nesting refused with an assert, as upstream, not a RuntimeError",
      ((_NESTING, "        assert self._batch is None, \"a batch is already active\"\n"),)),
     ("1.5", "minisgl/utils/misc.py", "the error does not name the numbers",
-     ((_EVEN, "    if a % b != 0:\n        raise ValueError(\"cannot split the items evenly over the "
-              "ranks.\")\n"),)),
+     ((_EVEN, "    if a % b != 0:\n"
+              "        raise ValueError(\"cannot split the items evenly over the ranks.\")\n"),)),
 ]
