@@ -98,12 +98,12 @@ def load_weight(model_path: str | pathlib.Path,
                     raise RuntimeError(f"cannot read tensor {key!r} from {file}: {e}. The file "
                                        "is truncated or corrupt: re-create it.") from e
                 _check_values(key, tensor, file)
+                # BEGIN SOLUTION 3.4: shard, then yield it or buffer the parts of a fused tensor
                 tensor = _shard(name, tensor, config, tp)
                 fused = _fused_name(name)
                 if fused is None:
                     yield name, tensor
                     continue
-                # BEGIN SOLUTION 3.4: buffer the parts; yield the fused tensor once complete
                 fused_name, slot = fused
                 parts = pending.setdefault(fused_name, {})
                 parts[slot] = tensor

@@ -55,6 +55,15 @@ CASES = [
     ("3.4", "minisgl/models/weight.py", "always waits for three parts (gate_up never completes)",
      (('                expected = len(_MERGES[fused_name.split(".")[-2]])',
        "                expected = 3"),)),
+    ("3.4", "minisgl/models/weight.py", "merge before shard: the fused tensor goes through _shard",
+     (("                tensor = _shard(name, tensor, config, tp)\n", ""),
+      ("                    yield name, tensor\n",
+       "                    yield name, _shard(name, tensor, config, tp)\n"),
+      ("                    yield fused_name, torch.cat([parts[i] for i in range(expected)], dim=0)",
+       "                    yield fused_name, _shard(fused_name, torch.cat([parts[i] for i in "
+       "range(expected)], dim=0), config, tp)"))),
+    ("3.4", "minisgl/models/weight.py", "never calls _shard (fine at tp=1, whole tensors at tp=2)",
+     (("                tensor = _shard(name, tensor, config, tp)\n", ""),)),
     ("3.4", "minisgl/models/weight.py", "the completed entry stays in pending",
      (("                    del pending[fused_name]\n", ""),)),
 ]
