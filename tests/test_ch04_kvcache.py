@@ -329,7 +329,7 @@ def test_batch_helpers_equal_the_milestone_lines():
 
 
 def test_batch_row_map_reads_table_idx_not_the_position_in_the_batch():
-    table, pool, reqs = batch_setup()  # rows 2, 0, 3 in batch order; extend_len 5, 5, 1
+    _table, _pool, reqs = batch_setup()  # rows 2, 0, 3 in batch order; extend_len 5, 5, 1
     want = [r.table_idx for r in reqs for _ in range(r.extend_len)]
     got = batch_row_map(reqs)
     assert got.dtype == torch.int64 and got.tolist() == want, (
