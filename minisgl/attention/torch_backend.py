@@ -62,7 +62,11 @@ class TorchBackend(TorchGraphHooks, BaseAttnBackend):
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs if batch.padded_reqs is not None else batch.reqs
-        device = self.page_table.device  # table_idx and lengths: checked by the Engine per batch
+        device, rows_total = self.page_table.device, self.page_table.shape[0]
+        bad = [r for r in reqs if not 0 <= r.table_idx < rows_total]
+        if bad:  # this runs before forward_batch's checks: the first place a bad row is met
+            raise IndexError(f"Req(uid={bad[0].uid}).table_idx={bad[0].table_idx} is outside the "
+                             f"page table's rows 0..{rows_total - 1}.")
         cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
         seq_lens = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
         extend = seq_lens - cached
