@@ -396,6 +396,16 @@ def quick_check() -> None:
         if loc != [15, 0] or batch_positions([req]).tolist() != [3, 4]:
             raise AssertionError(f"batch_out_loc gave {loc} for positions 3, 4 of row "
                                  "[12, 13, 14, 15, 0, ...]; expected [15, 0] (Exercise 4.3)")
+        rows = batch_row_map([req, make_req([1, 2], row=0, cached=0, uid=1)]).tolist()
+        if rows != [1, 1, 0, 0]:
+            raise AssertionError(f"batch_row_map gave {rows} for requests in rows 1 (2 new tokens) "
+                                 "and 0 (2 new tokens); expected [1, 1, 0, 0] (Exercise 4.3)")
+        free = [3, 1, 2]
+        got = allocate_pages(table, make_req(list(range(5)), row=0, cached=0, uid=2), free, ps)
+        if got != [3, 1] or free != [2] or table[0, :8].tolist() != [12, 13, 14, 15, 4, 5, 6, 7]:
+            raise AssertionError(f"allocate_pages gave pages {got} (free list left: {free}) for a "
+                                 "5-token prompt with page_size 4 and free list [3, 1, 2]; "
+                                 "expected [3, 1], leaving [2] (Exercise 4.4)")
     finally:
         if own_tp:
             reset_tp_info()
