@@ -110,7 +110,7 @@ MUTATIONS = [
              "k-into-v-buffer: store_kv copies k into the v buffer (copy-paste)",
              (('self._v_buffer[layer_id].view(shape).index_copy_(0, index, v.view(shape))',
                'self._v_buffer[layer_id].view(shape).index_copy_(0, index, k.view(shape))'),)),
-    Mutation("05", "5.1", "minisgl/attention/torch_backend.py",
+    Mutation("05", "5.1", "minisgl/attention/mask.py",
              "top-left-causal: the mask forgets the cached prefix (query i sees keys 0..i)",
              (('    query_pos = cached_lens[:, None, None] + i  # [Bp, Qmax, 1]\n',
                '    query_pos = i  # [1, Qmax, 1]\n'),)),
