@@ -125,30 +125,60 @@ def test_other_files_get_ipythons_writefile(repo):
     assert not (repo / ".workbook-backup").exists()
 
 
-def test_run_all_gets_past_a_module_an_earlier_run_broke(repo):
-    """Chapter 02, all exercises filled in, run from notebooks/ as Run All would, while an
-    earlier run left layers/rotary.py with a syntax error: the check cells before the rotary
-    cell import minisgl.layers, which imports rotary. The first cell sets the broken file aside
-    (backed up) and Run All completes; the learner's rotary cell then writes their code."""
-    rotary = repo / "minisgl" / "layers" / "rotary.py"
-    broken = rotary.read_text().replace("def ", "def def ", 1)
-    rotary.write_text(broken)
-    nb = nbformat.read(next((repo / "solutions").glob("02_*.ipynb")), as_version=4)
-    for cell in nb.cells:  # JupyterLab's Run All runs every cell
+def run_all(repo: Path, chapter: str, edit=None) -> nbformat.NotebookNode:
+    """Chapter NN with every exercise filled in (the solution's cells), saved in notebooks/ and
+    run there cell by cell as JupyterLab's Run All would (every cell, tags ignored); `edit`
+    changes the notebook first. Raises CellExecutionError at the first failing cell."""
+    nb = nbformat.read(next((repo / "solutions").glob(f"{chapter}_*.ipynb")), as_version=4)
+    for cell in nb.cells:
         cell.metadata.pop("tags", None)
-    path = repo / "notebooks" / "02_filled_in.ipynb"
+    if edit:
+        edit(nb)
+    path = repo / "notebooks" / f"{chapter}_filled_in.ipynb"
     nbformat.write(nb, path)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env.update(MPLBACKEND="agg", MINISGL_SKIP_CHAPTER_TESTS="1")
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     with client.setup_kernel(env=env):
-        client.execute_cell(nb.cells[0], 0) if nb.cells[0].cell_type == "code" else None
         for index, cell in enumerate(nb.cells):
-            if cell.cell_type == "code" and index > 0:
+            if cell.cell_type == "code":
                 client.execute_cell(cell, index)
+    return nb
+
+
+def test_run_all_gets_past_a_module_an_earlier_run_broke(repo):
+    """Chapter 02 while an earlier run left layers/rotary.py with a syntax error: the check cells
+    before the rotary cell import minisgl.layers, which imports rotary. The first cell sets the
+    broken file aside (backed up) and Run All completes; the learner's rotary cell then writes
+    their code again."""
+    rotary = repo / "minisgl" / "layers" / "rotary.py"
+    broken = rotary.read_text().replace("def ", "def def ", 1)
+    rotary.write_text(broken)
+    nb = run_all(repo, "02")
     first = "".join(o.get("text", "") for c in nb.cells[:3] if c.cell_type == "code"
                     for o in c.outputs if o.output_type == "stream")
     assert "minisgl/layers/rotary.py did not import" in first, first
     assert backups(repo, "minisgl/layers/rotary.py") == [broken]
     assert "def def" not in rotary.read_text()
+
+
+def test_run_all_completes_with_the_optional_exercise_left_as_its_stub(repo):
+    """Chapter 05 with every exercise filled in except the optional 5.4, left as the learner
+    copy has it: its checks skip with a message and Run All completes."""
+    learner = json.loads(next((repo / "notebooks").glob("05_*.ipynb")).read_text())
+    stubs = {"".join(c["source"]).split("\n", 1)[0]: "".join(c["source"])
+             for c in learner["cells"] if "Exercise 5.4" in "".join(c["source"])
+             and "".join(c["source"]).startswith("%%writefile")}
+    assert stubs, "no %%writefile cell of the learner's chapter 05 holds the stub of Exercise 5.4"
+
+    def leave_54_as_stub(nb):
+        for cell in nb.cells:
+            first = cell.source.split("\n", 1)[0]
+            if cell.cell_type == "code" and first in stubs:
+                cell.source = stubs[first]
+
+    nb = run_all(repo, "05", leave_54_as_stub)
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                      for o in c.outputs if o.output_type == "stream")
+    assert "skip" in printed.lower() and "5.4" in printed, printed[-3000:]
