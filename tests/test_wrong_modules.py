@@ -85,14 +85,14 @@ _TOP_P = ("    if top_p is not None:\n"
           "0.0)\n")
 
 MUTATIONS = [
-    Mutation("00", "0.2", "minisgl/step0.py",
+    Mutation("00", "0.2", "minisgl/step0/layers.py",
              "no-causal-mask: attention forgets to mask the future",
              ((_CAUSAL_MASK, ""),)),
-    Mutation("01", "1.3", "minisgl/core.py",
+    Mutation("01", "1.3", "minisgl/req.py",
              "lines-swapped: complete_one advances device_len before copying it to cached_len",
              (('        self.cached_len = self.device_len\n        self.device_len += 1\n',
                '        self.device_len += 1\n        self.cached_len = self.device_len\n'),)),
-    Mutation("01", "1.3", "minisgl/core.py",
+    Mutation("01", "1.3", "minisgl/req.py",
              "no-device_len-advance: complete_one forgets `device_len += 1`",
              (('        self.cached_len = self.device_len\n        self.device_len += 1\n',
                '        self.cached_len = self.device_len\n'),)),
@@ -110,7 +110,7 @@ MUTATIONS = [
              "k-into-v-buffer: store_kv copies k into the v buffer (copy-paste)",
              (('self._v_buffer[layer_id].view(shape).index_copy_(0, index, v.view(shape))',
                'self._v_buffer[layer_id].view(shape).index_copy_(0, index, k.view(shape))'),)),
-    Mutation("05", "5.1", "minisgl/attention/torch_backend.py",
+    Mutation("05", "5.1", "minisgl/attention/mask.py",
              "top-left-causal: the mask forgets the cached prefix (query i sees keys 0..i)",
              (('    query_pos = cached_lens[:, None, None] + i  # [Bp, Qmax, 1]\n',
                '    query_pos = i  # [1, Qmax, 1]\n'),)),
