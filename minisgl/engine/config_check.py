@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 
 from minisgl.distributed import DistributedInfo
 from minisgl.models.weight import resolve_model_path
 
-from .setup import resolve_device
+from .setup import resolve_device, total_memory
 
 _GiB = 1 << 30
 _COUNTS = ("max_running_req", "page_size", "num_page_override", "max_seq_len_override",
@@ -25,13 +24,6 @@ _COUNTS = ("max_running_req", "page_size", "num_page_override", "max_seq_len_ove
 def _is_count(value) -> bool:
     """An int (numpy's too), never a bool, float or string: ``True`` is an int in Python."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def total_memory(device: str) -> int:
-    """Bytes of memory the device has in all (CPU: the machine's RAM)."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_properties(torch.device(device)).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def validate_config(config) -> None:

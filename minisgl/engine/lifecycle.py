@@ -3,24 +3,22 @@
 an Engine runs again and again: the new Engine replaces the live one once it is complete. While
 it builds, the live one lends it the globals (``_set_aside``); a failed build gives them back
 (``_give_back``); a complete one shuts the old one down with a one-line notice (``retire``).
+What ``shutdown()`` releases is in shutdown.py.
 """
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
 
 from minisgl import core
 from minisgl.core import reset_global_ctx, set_global_ctx
-from minisgl.distributed import (DistributedCommunicator, destroy_distributed, reset_tp_info,
-                                 set_tp_info, try_get_tp_info)
+from minisgl.distributed import (DistributedCommunicator, reset_tp_info, set_tp_info,
+                                 try_get_tp_info)
 from minisgl.layers import rotary, set_rope_device
 
-RELEASED = ("model", "kv_cache", "page_table", "attn_backend", "graph_runner", "sampler",
-            "dummy_req")  # what shutdown() lets go of
-
+from .shutdown import Releasable
 
 def live_engine():
     # Kept on `sys`, outside minisgl, so that reloading minisgl's modules keeps track of it. A
@@ -71,8 +69,8 @@ def retire(old, new, why: str) -> None:
     DistributedCommunicator.plugins = plugins
 
 
-class OneLiveEngine:
-    """What ``Engine.__init__`` and ``shutdown`` do around the build itself."""
+class OneLiveEngine(Releasable):
+    """What ``Engine.__init__`` does around the build itself."""
 
     def _begin_build(self, config) -> None:
         """Before the build: set the live Engine aside; the globals are this one's from now."""
@@ -98,43 +96,3 @@ class OneLiveEngine:
         sys._minisgl_live_engine = self
         if live is not None:
             retire(live, self, "one per process")
-
-    def _why_closed(self) -> str:
-        return {"replaced": "this Engine was replaced by a newer Engine (one per process) and shut "
-                "down: use the newer Engine, or build a new one."}.get(
-                    self.__dict__.get("_closed_why"), "this Engine was shut down: build a new one.")
-
-    def __getattr__(self, name: str):
-        # only called for attributes that do not exist: say why when shutdown() released them
-        if self.__dict__.get("_closed_why") is not None and name in RELEASED:
-            raise AttributeError(f"engine.{name} is gone: {self._why_closed()}")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def _release(self) -> None:
-        if self._owns.get("ctx"):
-            reset_global_ctx()
-        if self._owns.get("tp_info"):
-            reset_tp_info()
-        destroy_distributed()
-        if self._owns.pop("dist", False) and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()  # the group this Engine created (tp > 1)
-        torch.set_num_threads(self._prev_threads)
-        for name in RELEASED:
-            self.__dict__.pop(name, None)
-        if getattr(self, "ctx", None) is not None:
-            self.ctx.kv_cache = self.ctx.attn_backend = self.ctx.page_table = None
-        gc.collect()
-        if getattr(self, "device", None) is not None and self.device.type == "cuda":
-            torch.cuda.empty_cache()  # so the next Engine's free-memory reading sees it again
-
-    def shutdown(self) -> None:
-        """Release the model, the KV pool and every global this Engine set."""
-        if self._closed:
-            return
-        if getattr(self, "graph_runner", None) is not None:
-            self.graph_runner.destroy_cuda_graphs()
-        self._release()
-        self._closed = True
-        self._closed_why = self.__dict__.get("_closed_why") or "shutdown"
-        if getattr(sys, "_minisgl_live_engine", None) is self:
-            sys._minisgl_live_engine = None

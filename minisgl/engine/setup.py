@@ -20,6 +20,13 @@ def resolve_device(name: str, tp_rank: int) -> torch.device:
     return torch.device("cuda", tp_rank) if name == "cuda" else torch.device(name)
 
 
+def total_memory(device: str) -> int:
+    """Bytes of memory the device has in all (CPU: the machine's RAM)."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def cpu_count() -> int:
     """CPU cores this process may run on (all cores where the OS cannot tell, e.g. macOS)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
