@@ -53,5 +53,5 @@ status:
 	@$(PYTHON) tools/workbook.py status
 
 reset: setup
-	@test -n "$(CH)" || (echo "usage: make reset CH=04   (backs up your chapter-04 modules, restores the reference)"; exit 2)
-	$(VPY) tools/workbook.py reset $(CH)
+	@test -n "$(CH)" || (echo "usage: make reset CH=04 [NB=1]   (backs up your chapter-04 modules, and with NB=1 its notebook, then restores the reference)"; exit 2)
+	$(VPY) tools/workbook.py reset $(CH) $(if $(NB),--notebook)

@@ -51,7 +51,7 @@ def write_model(folder: Path) -> Path:
 
 def decode_times(engine, steps: int, warmup: int = 4) -> list[float]:
     """Per-step seconds of ``steps`` decode steps of BATCH requests (after a prefill)."""
-    from minisgl.launch import Runner
+    from minisgl.engine.tp_milestone import Runner
 
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(3, CONFIG["vocab_size"], (8 + i,), generator=gen).tolist()
@@ -70,7 +70,7 @@ def decode_times(engine, steps: int, warmup: int = 4) -> list[float]:
 def tp_rank(rank: int, tp_size: int, model: str, steps: int) -> list[float]:
     """One rank of the tp=2 contender: its Engine (random weights), then timed decode steps."""
     from minisgl.engine import Engine
-    from minisgl.launch import engine_config
+    from minisgl.engine.tp_milestone import engine_config
 
     engine = Engine(engine_config(model, rank, tp_size, n_reqs=BATCH, use_dummy_weight=True))
     try:
@@ -81,7 +81,8 @@ def tp_rank(rank: int, tp_size: int, model: str, steps: int) -> list[float]:
 
 def run(rounds: int, steps: int) -> str:
     from minisgl.engine import Engine
-    from minisgl.launch import engine_config, launch
+    from minisgl.engine.ranks import launch
+    from minisgl.engine.tp_milestone import engine_config
 
     with tempfile.TemporaryDirectory(prefix="minisgl-bench-tp-") as tmp:
         model = str(write_model(Path(tmp) / "random-llama"))

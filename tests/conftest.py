@@ -62,6 +62,30 @@ def pytest_runtest_makereport(item, call):
 
 
 
+# Every tool that backs a file up says where it went: notebooks run by the tests write minisgl/
+# with the workbook's %%writefile, which copies a module holding the learner's work to
+# .workbook-backup/ first; this lists, at the end of the run, what was saved during it.
+BACKUPS = ROOT / ".workbook-backup"
+_backups_before: set[str] = set()
+
+
+def pytest_sessionstart(session):
+    _backups_before.update(p.name for p in BACKUPS.glob("*") if p.is_dir())
+
+
+def pytest_terminal_summary(terminalreporter):
+    new = sorted(p for p in BACKUPS.glob("*") if p.is_dir() and p.name not in _backups_before)
+    if not new:
+        return
+    terminalreporter.section("your work was backed up")
+    for folder in new:
+        for f in sorted(q for q in folder.rglob("*") if q.is_file()):
+            terminalreporter.write_line(f"  {f.relative_to(folder).as_posix()}  ->  "
+                                        f"{f.relative_to(ROOT).as_posix()}")
+    terminalreporter.write_line("These files held work of your own that a notebook run by the "
+                                "tests replaced; copy back what you want to keep.")
+
+
 @pytest.fixture
 def clean_globals():
     """minisgl's process-wide state reset before and after a test: the global Context, the tp

@@ -1,7 +1,8 @@
-"""Chapter 00: the step-0 skeleton (minisgl/step0.py) against Hugging Face transformers.
+"""Chapter 00: the step-0 skeleton (minisgl/step0/) against Hugging Face transformers.
 
 References: HF's models (greedy tokens, full-sequence logits, its RMSNorm module) and plain
-per-query torch loops for attention. Exercises: 0.1 rms_norm, 0.2 attention, 0.3 decode loop.
+per-query torch loops for attention. Exercises: 0.1 rms_norm, 0.2 attention, 0.3 decode loop,
+0.4 the KV cache in forward.
 """
 
 from __future__ import annotations
@@ -97,6 +98,27 @@ def test_causal_mask_hides_the_future():
         "the keys (Exercise 0.2) or forward does not use the new token")
 
 
+def test_forward_grows_the_cache():
+    """7 tokens in three calls sharing kv (4, 2 at once, 1) give the logits of one call."""
+    model, ids = load("tiny-llama"), fixed_ids(7, seed=4)
+    kv: list = []
+    with torch.no_grad():
+        full = step0.forward(model, ids, torch.arange(7), [])
+        parts = []
+        for start, end in [(0, 4), (4, 6), (6, 7)]:
+            parts.append(step0.forward(model, ids[start:end], torch.arange(start, end), kv))
+            rows = [(k.shape[0], v.shape[0]) for k, v in kv]
+            assert rows == [(end, end)] * model.num_layers, (
+                f"Exercise 0.4 (the KV cache): after tokens 0..{end - 1} each of the "
+                f"{model.num_layers} layers should cache {end} rows of k and of v, got {rows}: "
+                "append one empty [k, v] pair per layer on the first call, then torch.cat the "
+                "new rows after the old ones")
+    torch.testing.assert_close(torch.cat(parts), full, atol=1e-4, rtol=1e-4, msg=lambda m: (
+        "Exercise 0.4 (the KV cache): three calls sharing kv disagree with one call over all "
+        "tokens; the new rows go last (torch.cat([kv[i][0], k])), where attention expects "
+        "them.\n" + m))
+
+
 # ----------------------------------------------------------------------------- whole models
 
 
@@ -113,7 +135,9 @@ def test_teacher_forced_logits_match_hf(name):
         f"{got.dtype} {tuple(got.shape)}")
     torch.testing.assert_close(got, want[:PREFILL], atol=1e-4, rtol=1e-4, msg=lambda m: (
         f"{name}: the prefill logits (positions 0..{PREFILL - 1}) differ from HF's; check "
-        "Exercise 0.1 (rms_norm) and Exercise 0.2 (attention, causal mask).\n" + m))
+        "Exercise 0.1 (rms_norm), Exercise 0.2 (attention, causal mask) and Exercise 0.4 (k "
+        "and v each cached in their own slot: attention reads the values from kv[i][1]).\n"
+        + m))
     for t in range(PREFILL, TOTAL):
         with torch.no_grad():
             step = step0.forward(model, ids[t:t + 1], torch.tensor([t]), kv)
@@ -130,6 +154,33 @@ def test_llama3_rope_is_refused():
     with pytest.raises(ValueError, match="default rope") as info:
         step0.load_model(model_path("tiny-llama3-rope"))
     assert "chapter 02" in str(info.value), "the error should say that chapter 02 adds llama3"
+
+
+def test_generate_decode_steps(monkeypatch):
+    """Each decode step feeds the newest token alone, at its position, with the same kv list.
+
+    A position off by one changes the logits only slightly (RoPE sees distances), so greedy
+    tokens can still match; this records what generate passes to forward instead."""
+    from minisgl.step0 import generation
+
+    model, prompt, calls = load("tiny-llama"), fixed_ids(6, seed=7).tolist(), []
+    real = generation.forward
+
+    def recording(model, ids, pos, kv):
+        calls.append((ids.tolist(), pos.tolist(), kv[0][0].shape[0] if kv else 0))
+        return real(model, ids, pos, kv)
+
+    monkeypatch.setattr(generation, "forward", recording)
+    new = generation.generate(model, prompt, 4)
+    assert len(new) == 4 and len(calls) == 4, (
+        f"Exercise 0.3 (decode loop): generate(..., 4) made {len(calls)} forward calls and "
+        f"returned {len(new)} tokens; expected one prefill and 3 decode steps, 4 tokens")
+    for i, (ids, pos, cached) in enumerate(calls[1:], start=1):
+        want = len(prompt) + i - 1
+        assert (ids, pos, cached) == ([new[i - 1]], [want], want), (
+            f"Exercise 0.3 (decode loop): decode step {i} fed tokens {ids} at positions {pos} "
+            f"with {cached} cached rows; expected [{new[i - 1]}] at [{want}] (len(input_ids) + "
+            f"i - 1) with {want} cached rows (the same kv list every step)")
 
 
 @pytest.mark.slow

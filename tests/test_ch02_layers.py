@@ -560,13 +560,16 @@ def test_lm_head_vocab_parallel(tp, phase, monkeypatch):
                                      [x] * tp, monkeypatch)
     local = torch.cat([s[0] for s in seen], dim=1)[:, :V]
     torch.testing.assert_close(local, ref, msg=lambda m: (
-        f"LM head tp={tp} ({phase}): the ranks' local logits, concatenated along the vocab and "
-        "cut to V, must equal the tp = 1 logits\n" + m))
+        f"Exercise 2.5 (LM head, tp={tp}, {phase}): the ranks' local logits "
+        "self._matmul(x, weight, self.bias), concatenated along the vocab and cut to V, must "
+        "equal the tp = 1 logits\n" + m))
     for r, out in enumerate(replays):
-        assert out.shape == ref.shape, (f"LM head tp={tp}: rank {r} returns {tuple(out.shape)} "
-                                        f"after the all-gather, expected {tuple(ref.shape)}")
-        close(out, ref, f"LM head tp={tp}: after the all-gather (rank-major blocks) rank {r} must "
-              "hold the full logits")
+        assert out.shape == ref.shape, (
+            f"Exercise 2.5 (LM head, tp={tp}): rank {r} returns {tuple(out.shape)} after the "
+            f"all-gather, expected {tuple(ref.shape)}: regroup the rank-major blocks per row and "
+            "cut the padding columns beyond V")
+        close(out, ref, f"Exercise 2.5 (LM head, tp={tp}): after the all-gather (rank-major "
+              f"blocks) rank {r} must hold the full logits")
 
 
 # ----------------------------------------------------------------------------- norms

@@ -385,7 +385,9 @@ def test_sharding_for_tp(name, tp):
                 pytest.fail(f"Exercise 3.3 ({name}, rank {rank} of {tp}): the sharded tensors do "
                             f"not fit the rank's layers: {e}\nq/k/v are split by heads (with fewer "
                             "KV heads than ranks, each rank keeps one whole KV head), gate/up by "
-                            "rows, o_proj/down_proj by columns.", pytrace=False)
+                            "rows, o_proj/down_proj by columns; and load_weight (Exercise 3.4) "
+                            "passes every checkpoint tensor through _shard before merging.",
+                            pytrace=False)
         shards.append(shard)
     replicated = hf_cfg.num_key_value_heads < tp
     for key, full in hf_sd.items():

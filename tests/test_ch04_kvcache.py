@@ -3,7 +3,8 @@
 References: a plain-torch clone of the pool's buffers updated one row at a time in a Python loop
 (for ``store_kv``), and Python loops over requests and positions (for ``pages_to_slots``,
 ``batch_positions``, ``batch_out_loc`` and ``batch_input_ids``).
-Exercises: 4.1 store_kv, 4.2 pages_to_slots, 4.3 batch_out_loc.
+Exercises: 4.1 store_kv, 4.2 pages_to_slots, 4.3 batch_row_map (behind batch_out_loc and
+batch_input_ids), 4.4 allocate_pages.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from minisgl.core import Req
 from minisgl.distributed import reset_tp_info, set_tp_info, try_get_tp_info
 from minisgl.kvcache import (
     MHAKVCache,
+    allocate_pages,
     batch_input_ids,
     batch_out_loc,
     batch_positions,
+    batch_row_map,
     create_kvcache_pool,
     create_page_table,
     create_token_pool,
@@ -222,14 +225,6 @@ def test_create_kvcache_pool_reads_the_model_config():
     assert pool.num_layers == 2
 
 
-@pytest.mark.parametrize("bad", [0, -1])
-def test_page_size_below_one_is_refused(bad):
-    with pytest.raises(ValueError):
-        MHAKVCache(HKV, 1, D, 4, bad, torch.float32, "cpu")
-    with pytest.raises(ValueError):
-        MHAKVCache(HKV, 1, D, 0, 4, torch.float32, "cpu")  # and a pool needs a page
-
-
 # ----------------------------------------------------------------------------- the tables
 
 
@@ -256,8 +251,9 @@ def test_pages_to_slots_matches_a_loop(ps, dtype):
     pages = torch.randperm(12, generator=gen(ps))[:7].to(dtype)
     want = [p * ps + off for p in pages.tolist() for off in range(ps)]
     got = pages_to_slots(pages, ps)
-    assert not got.dtype.is_floating_point, (
-        f"Exercise 4.2 (pages_to_slots): slots must be integers, got {got.dtype}")
+    assert got.dtype == dtype, (
+        f"Exercise 4.2 (pages_to_slots): slots keep the dtype of the pages ({dtype}), got "
+        f"{got.dtype}; build the offsets with torch.arange(page_size, dtype=pages.dtype)")
     assert got.tolist() == want, (
         f"Exercise 4.2 (pages_to_slots): pages {pages.tolist()} with page_size={ps} should give "
         f"{want} (page p -> p*ps + 0 .. ps-1, page after page), got {got.tolist()}")
@@ -332,6 +328,44 @@ def test_batch_helpers_equal_the_milestone_lines():
     assert torch.equal(batch_input_ids(pool, reqs).to(input_ids.dtype), input_ids)
 
 
+def test_batch_row_map_reads_table_idx_not_the_position_in_the_batch():
+    _table, _pool, reqs = batch_setup()  # rows 2, 0, 3 in batch order; extend_len 5, 5, 1
+    want = [r.table_idx for r in reqs for _ in range(r.extend_len)]
+    got = batch_row_map(reqs)
+    assert got.dtype == torch.int64 and got.tolist() == want, (
+        f"Exercise 4.3 (batch_row_map): requests in rows 2, 0, 3 with extend_len 5, 5, 1 give "
+        f"{want} (table_idx once per new token), got {got.dtype} {got.tolist()}")
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_allocate_pages_grows_a_row_page_by_page(ps):
+    table = create_page_table(3, 64, dummy_slot=999)
+    free = torch.randperm(40, generator=gen(ps)).tolist()
+    free_before = list(free)
+    req = make_req(list(range(3, 3 + 6)), row=2, cached=0, uid=0, output_len=40)
+    taken, slots = [], []
+    for step in range(12):  # prefill of 6 tokens, then 11 decode steps
+        got = allocate_pages(table, req, free, ps)
+        want_new = -(-req.device_len // ps) - -(-req.cached_len // ps)
+        assert len(got) == want_new, (
+            f"Exercise 4.4 (allocate_pages), page_size={ps}: with cached_len={req.cached_len} and "
+            f"device_len={req.device_len} the request holds ceil(cached_len / ps) pages and needs "
+            f"ceil(device_len / ps): {want_new} new, got {got}")
+        taken += got
+        assert taken == free_before[:len(taken)] and free == free_before[len(taken):], (
+            f"Exercise 4.4 (allocate_pages): take pages from the front of free_pages and remove "
+            f"them from it (in place); took {taken}, {len(free)} left")
+        slots = [p * ps + off for p in taken for off in range(ps)]
+        row = table[2, :len(slots)].tolist()
+        assert row == slots, (
+            f"Exercise 4.4 (allocate_pages), page_size={ps}, device_len={req.device_len}: row 2 "
+            f"should hold the slots of pages {taken} in order, {slots}, got {row}")
+        assert not table[:2].any() and bool((table[3] == 999).all()), (
+            "Exercise 4.4 (allocate_pages): only row table_idx may change")
+        req.complete_one()
+        req.append_host(torch.tensor([7], dtype=torch.int32))
+
+
 # ----------------------------------------------------------------------------- quick check
 
 
@@ -362,6 +396,16 @@ def quick_check() -> None:
         if loc != [15, 0] or batch_positions([req]).tolist() != [3, 4]:
             raise AssertionError(f"batch_out_loc gave {loc} for positions 3, 4 of row "
                                  "[12, 13, 14, 15, 0, ...]; expected [15, 0] (Exercise 4.3)")
+        rows = batch_row_map([req, make_req([1, 2], row=0, cached=0, uid=1)]).tolist()
+        if rows != [1, 1, 0, 0]:
+            raise AssertionError(f"batch_row_map gave {rows} for requests in rows 1 (2 new tokens) "
+                                 "and 0 (2 new tokens); expected [1, 1, 0, 0] (Exercise 4.3)")
+        free = [3, 1, 2]
+        got = allocate_pages(table, make_req(list(range(5)), row=0, cached=0, uid=2), free, ps)
+        if got != [3, 1] or free != [2] or table[0, :8].tolist() != [12, 13, 14, 15, 4, 5, 6, 7]:
+            raise AssertionError(f"allocate_pages gave pages {got} (free list left: {free}) for a "
+                                 "5-token prompt with page_size 4 and free list [3, 1, 2]; "
+                                 "expected [3, 1], leaving [2] (Exercise 4.4)")
     finally:
         if own_tp:
             reset_tp_info()

@@ -274,11 +274,11 @@ def test_kv_slots_follow_the_page_table(ps):
     batch = env.make_batch(reqs, "prefill", n_dummy=1)
     env.backend.prepare_metadata(batch)
     md = batch.attn_metadata
-    bp, L = len(batch.padded_reqs), 14
-    assert md.max_kv_len == L and md.kv_slots.numel() == bp * L, (
-        f"Exercise 5.2: kv_slots should hold [Bp, L] = [{bp}, {L}] slots (L = longest device_len), "
-        f"got {md.kv_slots.numel()} entries and max_kv_len={md.max_kv_len}")
-    slots = md.kv_slots.view(bp, L)
+    bp, kmax = len(batch.padded_reqs), 14
+    assert md.max_kv_len == kmax and md.kv_slots.numel() == bp * kmax, (
+        f"Exercise 5.2: kv_slots should hold [Bp, Kmax] = [{bp}, {kmax}] slots (Kmax = longest "
+        f"device_len), got {md.kv_slots.numel()} entries and max_kv_len={md.max_kv_len}")
+    slots = md.kv_slots.view(bp, kmax)
     for b, r in enumerate(batch.padded_reqs):
         want = env.page_table[r.table_idx, : r.device_len].long()
         assert torch.equal(slots[b, : r.device_len].long(), want), (

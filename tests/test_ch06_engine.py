@@ -384,9 +384,11 @@ def test_a_pool_that_fits_only_without_the_old_engine_replaces_it_early(monkeypa
     """The new KV pool does not fit beside the live Engine: once the new weights have loaded,
     the live Engine is shut down to make room (its memory counts as available)."""
     import minisgl.engine.engine as engine_module
+    import minisgl.engine.memory as memory_module
 
     old = engine_for("tiny-llama")
-    monkeypatch.setattr(engine_module, "available_memory", lambda device: 0)
+    for module in (engine_module, memory_module):
+        monkeypatch.setattr(module, "available_memory", lambda device: 0)
     capsys.readouterr()
     new = Engine(make_config("tiny-llama", num_page_override=300))
     try:
@@ -405,9 +407,9 @@ def test_building_twice_and_shutdown(capsys):
     torch.set_num_threads(3)  # so that restoring is visible whatever the machine
     try:
         first = Engine(make_config("tiny-llama", num_threads=1))
-        assert torch.get_num_threads() == 1, "Exercise 6.4: set torch's thread count"
+        assert torch.get_num_threads() == 1, "Engine.__init__ sets torch's thread count"
         assert first.config.attention_backend == "torch", (
-            f"Exercise 6.4: engine.config.attention_backend should be resolved to 'torch' on the "
+            f"Engine.__init__ should resolve engine.config.attention_backend to 'torch' on the "
             f"CPU, got {first.config.attention_backend!r}")
         capsys.readouterr()
         second = Engine(make_config("tiny-llama", num_threads=2))
@@ -460,9 +462,11 @@ def test_kv_pool_budget_counts_the_weights(monkeypatch):
     """With no num_page_override the pool gets memory_ratio of the free memory minus the weights:
     each distinct state-dict tensor once (a tied LM head shares the embedding's)."""
     import minisgl.engine.engine as engine_module
+    import minisgl.engine.memory as memory_module
 
     free = 256 << 20
-    monkeypatch.setattr(engine_module, "available_memory", lambda device: free)
+    for module in (engine_module, memory_module):
+        monkeypatch.setattr(module, "available_memory", lambda device: free)
     _shutdown_live()
     engine = Engine(make_config("tiny-llama", num_page_override=None, memory_ratio=0.5,
                                 max_running_req=256, max_seq_len_override=None))
@@ -472,8 +476,8 @@ def test_kv_pool_budget_counts_the_weights(monkeypatch):
         per_page = engine.config.kv_cache_bytes_per_page
         want = int((0.5 * free - weights) // per_page)
         assert engine.num_pages == want, (
-            f"the KV pool has {engine.num_pages} pages; 0.5 x {free} bytes free minus {weights} "
-            f"bytes of weights leaves room for {want}")
+            f"Exercise 6.6 (determine_num_pages): the KV pool has {engine.num_pages} pages; 0.5 x "
+            f"{free} bytes free minus {weights} bytes of weights leaves room for {want}")
     finally:
         engine.shutdown()
 

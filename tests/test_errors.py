@@ -599,7 +599,7 @@ def case_weight_overflows_dtype(tmp_path, engine):
 
 def _launcher(*argv):
     """Run the launcher's command line here; what it printed on stderr and its exit status."""
-    from minisgl.launch import main
+    from minisgl.engine.launch import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

@@ -61,7 +61,8 @@ BATCHES = {  # (cached_len, device_len) per request, phase, dummies
 @pytest.mark.parametrize("name", list(BATCHES))
 @pytest.mark.parametrize("ps", [1, 4, 16])
 def test_pages_expand_to_the_torch_backends_slots(name, ps):
-    from minisgl.attention.fi_metadata import build_paged_metadata, expand_to_slots
+    from minisgl.attention.fi_metadata import build_paged_metadata
+    from minisgl.attention.paged_reference import expand_to_slots
 
     spec, phase, n_dummy = BATCHES[name]
     env = ch05.make_env(4, 2, 16, ps, seed=ps * 7 + len(name))
@@ -100,7 +101,7 @@ def test_pages_expand_to_the_torch_backends_slots(name, ps):
 
 
 def test_page_alignment_is_checked():
-    from minisgl.attention.fi_metadata import check_page_aligned
+    from minisgl.attention.paged_reference import check_page_aligned
 
     env = ch05.make_env(4, 2, 16, ps=4, seed=1)
     reqs = [env.add_req(0, 9), env.add_req(5, 6)]
@@ -120,7 +121,8 @@ SPREAD = [(name, ps) for name, ps in zip(BATCHES, [1, 16, 4, 1, 16])]
 
 @pytest.mark.parametrize("name,ps", SPREAD)
 def test_paged_reference_attention_matches_dense(name, ps):
-    from minisgl.attention.fi_metadata import build_paged_metadata, paged_attention_reference
+    from minisgl.attention.fi_metadata import build_paged_metadata
+    from minisgl.attention.paged_reference import paged_attention_reference
 
     spec, phase, n_dummy = BATCHES[name]
     env = ch05.make_env(8, 2, 16, ps, seed=ps + len(name))
@@ -352,7 +354,8 @@ def test_auto_picks_torch_for_float32():
 
 # ----------------------------------------------------------------------------- quick check
 def quick_check() -> None:
-    from minisgl.attention.fi_metadata import build_paged_metadata, expand_to_slots
+    from minisgl.attention.fi_metadata import build_paged_metadata
+    from minisgl.attention.paged_reference import expand_to_slots
 
     env = ch05.make_env(4, 2, 16, ps=4, seed=2)
     try:

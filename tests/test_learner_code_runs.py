@@ -9,8 +9,9 @@ would leave a region unexecuted, and this test names it. The same trace of an En
 ``cpu_kernels=True`` shows which exercises the kernels replace: that is the test's own check
 that it can see a bypass.
 
-The batches are prepared as a scheduler would: slots from ``pages_to_slots`` (4.2), ``out_loc``
-from ``batch_out_loc`` (4.3), one greedy request and one sampled with top-k and top-p (6.1).
+The batches are prepared as a scheduler would: pages from ``allocate_pages`` (4.4, which expands
+them with ``pages_to_slots``, 4.2), ``out_loc`` from ``batch_out_loc`` (its row map is 4.3), one
+greedy request and one sampled with top-k and top-p (6.1).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def trace_engine(cpu_kernels: bool, name: str = "tiny-qwen3"):
     from minisgl.core import Batch, Req, SamplingParams
     from minisgl.distributed import DistributedInfo
     from minisgl.engine import Engine, EngineConfig
-    from minisgl.kvcache import batch_out_loc, batch_positions, pages_to_slots
+    from minisgl.kvcache import allocate_pages, batch_out_loc, batch_positions
 
     regions = exercise_regions()
     tracer = LineTrace({f for f, _ in regions.values()})
@@ -102,16 +103,11 @@ def trace_engine(cpu_kernels: bool, name: str = "tiny-qwen3"):
                                             generator=torch.Generator().manual_seed(n)),
                     table_idx=1 - i, cached_len=0, output_len=4, uid=i, sampling_params=sp)
                 for i, (n, sp) in enumerate(zip((8, 5), params))]  # table_idx != batch position
-        owned = [0, 0]  # pages each request holds; request i owns pages 8 i .. 8 i + 7
+        free_pages = list(range(16))  # enough pages for both requests
 
         def schedule(phase):  # what a scheduler does: pages for the new tokens, then the batch
-            for i, r in enumerate(reqs):
-                need = -(-r.device_len // ps)
-                if need > owned[i]:
-                    pages = torch.arange(8 * i + owned[i], 8 * i + need, dtype=torch.int32)
-                    engine.page_table[r.table_idx, owned[i] * ps: need * ps] = \
-                        pages_to_slots(pages, ps)
-                    owned[i] = need
+            for r in reqs:
+                allocate_pages(engine.page_table, r, free_pages, ps)
             batch = Batch(reqs=reqs, phase=phase)
             engine.graph_runner.pad_batch(batch)
             batch.positions = batch_positions(reqs)
@@ -138,7 +134,7 @@ def engine_modules() -> set[str]:
     such as chapter 00's generator or the FlashInfer backend, are not the Engine's code)."""
     import subprocess
 
-    code = ("import sys, minisgl.engine\n"
+    code = ("import sys\nfrom minisgl.engine import Engine  # noqa: F401\n"
             "print('\\n'.join(m.__file__ for n, m in sys.modules.items()\n"
             "                 if n.split('.')[0] == 'minisgl' and getattr(m, '__file__', None)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU: tp=2 in two processes (gloo) gives tp=1's logits and tokens.
 
-What is checked (chapter 06's optional tp section; minisgl/launch.py, the Engine's process group,
-chapter 02's collectives and chapter 03's sharding):
+What is checked (chapter 06's optional tp section: minisgl/engine/launch.py, ranks.py,
+tp_milestone.py and tp.py, the Engine's process group; chapter 02's collectives and chapter 03's
+sharding):
 - loading shards each checkpoint tensor as the layers expect, including tiny-qwen3's single KV
   head, which every rank keeps a whole copy of;
 - on tiny-llama (4/2 heads), tiny-qwen2 (8/2, q/k/v bias, tied) and tiny-qwen3 (4/1, q/k norm),
@@ -27,8 +28,10 @@ import pytest
 import torch
 from helpers import SMOL, model_path
 
-from minisgl.launch import (FAIL_ENV, RankFailed, Runner, engine_config, launch, main,
-                            milestone_rank, prompt_ids)
+from minisgl.engine.launch import main
+from minisgl.engine.ranks import RankFailed, launch
+from minisgl.engine.tp_milestone import (FAIL_ENV, Runner, engine_config, milestone_rank,
+                                         prompt_ids)
 
 TESTS = pathlib.Path(__file__).resolve().parent
 TP_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]  # head counts that split over 2 ranks

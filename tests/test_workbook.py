@@ -428,42 +428,54 @@ def test_status_reports_learner_work(built: Path, capsys, rel: str):
     path = built / rel
     path.write_text((path.read_text() if path.exists() else "") + "\n")
     code, out = cli(built, capsys, "status")
-    assert code == 1 and f"  {rel}\n" in out and "git stash -u" in out and "reset NN" in out
+    assert code == 1 and f"  {rel}" in out, out
+    if rel == "minisgl/mine.py":
+        assert "mv minisgl/mine.py ../my-minisgl-work/" in out, out
+    else:
+        assert "make reset CH=01" + (" NB=1" if rel.startswith("notebooks/") else "") in out, out
 
 
 # ----------------------------------------------------------------------------- nbtools
 
 
-def test_guard_backs_up_from_solutions(built: Path, capsys, monkeypatch):
+def test_write_module_backs_up_only_work_it_did_not_write(built: Path, capsys):
     ops = built / "minisgl" / "ops.py"
-    ops.write_text("# mine\n")
-    shutil.rmtree(built / "minisgl" / "layers")
-    monkeypatch.chdir(built / "solutions")
-    nbtools.guard("01", root=built)
-    out = capsys.readouterr().out
-    assert ("guard: your version of minisgl/ops.py differs from the reference; saved a copy to "
-            ".workbook-backup/") in out
-    [backup] = list((built / wb.BACKUP_DIR).glob("*/minisgl/ops.py"))
-    assert backup.read_text() == "# mine\n"
-    assert (built / "minisgl" / "layers").is_dir()
-    ops.write_text(OPS.split("\n", 1)[1])  # what the %%writefile cell then writes
-    nbtools.guard("01", root=built)  # a module equal to the reference is not backed up
-    assert "guard:" not in capsys.readouterr().out
+    reference, stub = OPS.split("\n", 1)[1], OPS_STUB
+    nbtools._WRITTEN.clear()
+    for before in (reference, stub):  # the reference or the stub: `reset` gives them back
+        ops.write_text(before)
+        assert nbtools.write_module(ops, "# v1\n", root=built) is None
+    assert nbtools.write_module(ops, "# v2\n", root=built) is None  # this kernel wrote v1
+    ops.write_text("# edited in an editor\n")
+    saved = nbtools.write_module(ops, "# v3\n", root=built)
+    assert saved is not None and saved.read_text() == "# edited in an editor\n"
+    assert f"saved it to {saved.relative_to(built).as_posix()}" in capsys.readouterr().out
+    assert ops.read_text() == "# v3\n"
+    new = built / "minisgl" / "new.py"  # a file that did not exist: nothing to keep
+    assert nbtools.write_module(new, "x = 1\n", root=built) is None and new.exists()
 
 
-def test_guard_from_notebooks_is_harmless(built: Path, capsys, monkeypatch):
+def test_guard_sets_aside_a_module_that_does_not_compile(built: Path, capsys, monkeypatch):
     ops = built / "minisgl" / "ops.py"
-    ops.write_text("# mine\n")
-    (built / "solutions" / "01_ops.ipynb").unlink()
+    ops.write_text("def add(a, b:\n")
     shutil.rmtree(built / "minisgl" / "layers")
     monkeypatch.chdir(built / "notebooks")
     nbtools.guard("01", root=built)
-    assert "git diff minisgl/" in capsys.readouterr().out
-    assert ops.read_text() == "# mine\n" and not (built / wb.BACKUP_DIR).exists()
+    out = capsys.readouterr().out
+    assert "guard: minisgl/ops.py did not import (SyntaxError" in out and "git diff" in out
+    [saved] = list((built / wb.BACKUP_DIR).glob("*/minisgl/ops.py"))
+    assert saved.read_text() == "def add(a, b:\n"
+    assert ops.read_text() == OPS_STUB  # from notebooks/: the stub, until the cell runs
     assert (built / "minisgl" / "layers").is_dir()
     monkeypatch.chdir(built / "solutions")
+    ops.write_text("def add(a, b:\n")
+    nbtools.guard("01", root=built)
+    assert ops.read_text() == OPS.split("\n", 1)[1]  # from solutions/: the reference
+    capsys.readouterr()
+    nbtools.guard("01", root=built)  # nothing broken: nothing set aside
+    assert "did not import" not in capsys.readouterr().out
     nbtools.guard("05", root=built)  # no notebook at all: a note, no exception
-    assert "nothing to check" in capsys.readouterr().out
+    assert "nothing to do" in capsys.readouterr().out
 
 
 def test_reload_minisgl_forgets_only_minisgl_modules(monkeypatch):

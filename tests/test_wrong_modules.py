@@ -1,4 +1,6 @@
-"""A wrong learner module must be caught by its chapter's tests, with a message naming the exercise.
+"""A wrong learner module must be caught, with a message naming the exercise: first by the check
+cells right after its build cell in the notebook (the second half of this file), then by its
+chapter's tests (the first half).
 
 For each chapter 00-06 this file takes a plausible bug a learner would really write (not a stub),
 applies it as an exact text replacement to the module in a temporary copy of the repository, runs
@@ -27,9 +29,11 @@ the test then fails saying that the mutation no longer applies and must be updat
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -81,14 +85,14 @@ _TOP_P = ("    if top_p is not None:\n"
           "0.0)\n")
 
 MUTATIONS = [
-    Mutation("00", "0.2", "minisgl/step0.py",
+    Mutation("00", "0.2", "minisgl/step0/layers.py",
              "no-causal-mask: attention forgets to mask the future",
              ((_CAUSAL_MASK, ""),)),
-    Mutation("01", "1.3", "minisgl/core.py",
+    Mutation("01", "1.3", "minisgl/req.py",
              "lines-swapped: complete_one advances device_len before copying it to cached_len",
              (('        self.cached_len = self.device_len\n        self.device_len += 1\n',
                '        self.device_len += 1\n        self.cached_len = self.device_len\n'),)),
-    Mutation("01", "1.3", "minisgl/core.py",
+    Mutation("01", "1.3", "minisgl/req.py",
              "no-device_len-advance: complete_one forgets `device_len += 1`",
              (('        self.cached_len = self.device_len\n        self.device_len += 1\n',
                '        self.cached_len = self.device_len\n'),)),
@@ -106,7 +110,7 @@ MUTATIONS = [
              "k-into-v-buffer: store_kv copies k into the v buffer (copy-paste)",
              (('self._v_buffer[layer_id].view(shape).index_copy_(0, index, v.view(shape))',
                'self._v_buffer[layer_id].view(shape).index_copy_(0, index, k.view(shape))'),)),
-    Mutation("05", "5.1", "minisgl/attention/torch_backend.py",
+    Mutation("05", "5.1", "minisgl/attention/mask.py",
              "top-left-causal: the mask forgets the cached prefix (query i sees keys 0..i)",
              (('    query_pos = cached_lens[:, None, None] + i  # [Bp, Qmax, 1]\n',
                '    query_pos = i  # [1, Qmax, 1]\n'),)),
@@ -273,3 +277,104 @@ def test_wrong_module_is_caught_and_named(mutation, repo_files, tmp_path):
             f"chapter {mutation.chapter}: with a wrong Exercise {mutation.exercise} "
             f"({mutation.bug}) the first failure, {test_id} ({kind}), does not name the "
             f"exercise; the learner sees:\n{message[:2000]}")
+
+
+# ----------------------------------------------------------------------------- the notebooks' checks
+#
+# The chapter tests come last; the check cells right after a build cell are what a learner sees
+# first. tests/wrong_cells/chNN.py lists, for every exercise of chapter NN, at least two plausible
+# wrong versions; tests/wrong_cells_runner.py runs the solution notebook in one IPython shell (as
+# Run All would) and, for each wrong version, the build cell with the mistake and the cells after
+# it up to the last one that mentions the exercise. The first cell that fails must be a cell that
+# checks that exercise, and its message must name it.
+
+CELL_CHAPTERS = ["00", "01", "02", "03", "04", "05", "06"]
+CELLS_TIMEOUT_S = 1500  # one notebook run plus the re-runs of each case's cells, on a busy machine
+EXERCISE_MARKER = re.compile(r"#\s*BEGIN SOLUTION\s+(\d+\.\d+)\b")
+
+
+def load_cases(chapter: str) -> list[dict]:
+    path = ROOT / "tests" / "wrong_cells" / f"ch{chapter}.py"
+    if not path.exists():
+        pytest.fail(f"{path.relative_to(ROOT)} is missing: list there at least two plausible "
+                    f"wrong versions of each exercise of chapter {chapter}", pytrace=False)
+    spec = importlib.util.spec_from_file_location(f"wrong_cells_ch{chapter}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cases = []
+    for n, (exercise, module_path, bug, edits) in enumerate(module.CASES):
+        cases.append({"id": f"{exercise}#{n} {bug.split(':')[0]}", "exercise": exercise,
+                      "module": module_path, "bug": bug, "edits": [list(e) for e in edits]})
+    return cases
+
+
+def chapter_exercises(chapter: str) -> dict[str, str]:
+    """Exercise number -> module, from the markers of the modules chapter NN's notebook writes."""
+    nb = json.loads(next((ROOT / "solutions").glob(f"{chapter}_*.ipynb")).read_text())
+    found = {}
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        first = src.split("\n", 1)[0].split()
+        if cell["cell_type"] == "code" and first[:1] == ["%%writefile"]:
+            for ex in EXERCISE_MARKER.findall(src):
+                found[ex] = first[-1].removeprefix("../")
+    return found
+
+
+@pytest.mark.parametrize("chapter", CELL_CHAPTERS, ids=[f"ch{c}" for c in CELL_CHAPTERS])
+def test_notebook_checks_catch_wrong_exercises(chapter, repo_files, tmp_path):
+    cases = load_cases(chapter)
+    exercises = chapter_exercises(chapter)
+    counts = {ex: sum(c["exercise"] == ex for c in cases) for ex in exercises}
+    too_few = {ex: n for ex, n in counts.items() if n < 2}
+    assert not too_few, (
+        f"tests/wrong_cells/ch{chapter}.py: every exercise needs at least two wrong versions; "
+        f"these have fewer: {too_few}")
+    unknown = sorted({c["exercise"] for c in cases} - set(exercises))
+    assert not unknown, f"tests/wrong_cells/ch{chapter}.py names exercises that do not exist: {unknown}"
+    for c in cases:
+        assert c["module"] == exercises[c["exercise"]], (
+            f"case {c['id']}: Exercise {c['exercise']} lives in {exercises[c['exercise']]}, "
+            f"not {c['module']}")
+
+    copy = make_copy(tmp_path / "repo", repo_files)
+    shutil.copyfile(ROOT / "tests" / "wrong_cells_runner.py", copy / "_wrong_cells_runner.py")
+    notebook = next((copy / "solutions").glob(f"{chapter}_*.ipynb"))
+    plan, result = tmp_path / "plan.json", tmp_path / "result.json"
+    plan.write_text(json.dumps({"notebook": str(notebook), "cases": cases}))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")}
+    env.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="agg",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               MINISGL_SKIP_CHAPTER_TESTS="1")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(copy / "_wrong_cells_runner.py"), str(plan),
+                               str(result)], cwd=copy / "solutions", env=env, capture_output=True,
+                              text=True, timeout=CELLS_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"chapter {chapter}'s notebook with its wrong versions did not finish within "
+                    f"{CELLS_TIMEOUT_S} s:\n{(e.stdout or b'')[-3000:]!r}", pytrace=False)
+    print(f"chapter {chapter}: {len(cases)} wrong versions in {time.perf_counter() - start:.0f} s")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and result.exists(), (
+        f"the runner failed (exit {proc.returncode}):\n{output[-4000:]}")
+    report = json.loads(result.read_text())
+    problems = []
+    if report["baseline_error"]:
+        problems.append(f"the reference notebook itself failed: {report['baseline_error']}")
+    for c in cases:
+        r = report["results"].get(c["id"])
+        ex = f"Exercise {c['exercise']}"
+        if r is None:
+            problems.append(f"{c['id']}: never ran (the notebook stopped before its build cell)")
+        elif "problem" in r:
+            problems.append(f"{c['id']}: {r['problem']}")
+        elif r["failed_cell"] is None:
+            problems.append(f"{c['id']} ({c['bug']}): every check cell after the build cell of "
+                            f"{c['module']} PASSES this wrong {ex}")
+        elif not r["cell_mentions"] or ex not in r["error"]:
+            problems.append(f"{c['id']} ({c['bug']}): the first failing cell, {r['failed_cell']}, "
+                            f"does not name {ex}; the learner sees: {r['error'][:1500]}")
+    assert not problems, (f"chapter {chapter}'s check cells miss wrong exercises:\n- "
+                          + "\n- ".join(problems))

@@ -40,4 +40,23 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v c++ 
     echo "setup: warning: could not install g++; cpu_kernels=True Engines will run the chapters' code" >&2
   fi
 fi
+# Every kernel of this venv runs tools/kernel_startup.py: %%writefile under minisgl/ backs up
+# work before replacing it, even in a notebook whose first cell has not run.
+mkdir -p .venv/etc/ipython
+cat > .venv/etc/ipython/ipython_kernel_config.py <<'CONFIG'
+# Written by tools/bootstrap.sh (make setup): a kernel started inside a minisgl workbook checkout
+# runs the checkout's tools/kernel_startup.py (the workbook's %%writefile, which backs up work).
+c.InteractiveShellApp.exec_lines = [
+    "def _minisgl_workbook_startup():\n"
+    "    import pathlib, runpy\n"
+    "    here = pathlib.Path.cwd().resolve()\n"
+    "    for folder in (here, *here.parents):\n"
+    "        script = folder / 'tools' / 'kernel_startup.py'\n"
+    "        if script.is_file():\n"
+    "            runpy.run_path(str(script))\n"
+    "            return\n"
+    "_minisgl_workbook_startup()\n"
+    "del _minisgl_workbook_startup",
+]
+CONFIG
 echo "[setup] done"

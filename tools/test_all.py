@@ -10,8 +10,9 @@ Everything, after set-up:
    milestone script, the wrong modules, the browser test, and every solution notebook run twice
    in a row in one kernel (tests/test_notebooks.py; one after another, since they all write the
    same minisgl/ files);
-3. the learner notebooks under nbmake (their %%writefile cells are tagged skip-execution, so
-   they run against the reference package).
+3. the learner notebooks `notebooks/NN_*.ipynb` under nbmake (their %%writefile cells are tagged
+   skip-execution, so they run against the reference package); a scratch notebook
+   (`notebooks/_*.ipynb`) is never run.
 `--chapter NN` runs step 1, then in step 2 only chapter NN's tests, its wrong modules, its
 notebooks (twice in one kernel, and in the browser), and in step 3 only its learner notebook.
 `--quick` runs step 1, then step 2 without the tests marked `slow` or `browser` (pyproject.toml).
@@ -52,7 +53,7 @@ def steps(quick: bool = False, chapter: str | None = None) -> list[tuple[str, li
         return [check, (f"chapter {chapter} tests", [*pytest, *selected]),
                 ("learner notebooks", [*learner, *_files(f"notebooks/{chapter}_*.ipynb")])]
     return [check, ("pytest tests/", [*pytest, "tests"]),
-            ("learner notebooks", [*learner, "notebooks"])]
+            ("learner notebooks", [*learner, *_files("notebooks/[0-9][0-9]_*.ipynb")])]
 
 
 def main() -> int:

@@ -47,11 +47,6 @@ SKIP_TAG = "skip-execution"
 NB_NAME = re.compile(r"^(\d\d)_.+\.ipynb$")
 MARKER = re.compile(r"^([ \t]*)#[ \t]*(BEGIN|END) SOLUTION\b(.*)$")
 HEADER = re.compile(r"^\s+(\d+)\.(\d+)\s*:\s*(\S.*?)\s*$")
-STASH_HELP = (
-    "`git stash -u` (get it back with `git stash pop`), or commit it to a branch "
-    "(`git switch -c my-work && git commit -am 'my work'`, then `git switch main`), "
-    "or `python tools/workbook.py reset NN` (backs your files up first)"
-)
 
 
 class WorkbookError(Exception):
@@ -220,6 +215,21 @@ def parse_chapter(nn: str, name: str, nb: dict) -> Chapter:
     return chap
 
 
+def chapter_versions(root: Path, nn: str) -> dict[str, tuple[str, str]]:
+    """The modules solutions/NN_*.ipynb writes: path -> (reference text, learner stub text).
+    Reads the notebook as plain JSON (no nbformat): notebooks' kernels call this."""
+    path = solution_notebooks(root)[0].get(nn)
+    if path is None:
+        return {}
+    chap = parse_chapter(nn, path.name, read_json(path))
+    stubs = {}
+    for cell in chap.learner.get("cells", []):
+        parsed = parse_writefile(cell_source(cell)) if cell.get("cell_type") == "code" else None
+        if parsed and parsed[0]:
+            stubs[parsed[0]] = written_content(parsed[1])
+    return {rel: (text, stubs.get(rel, text)) for rel, text in chap.modules.items()}
+
+
 def read_json(path: Path) -> dict:
     """Read a notebook as a plain dict (fast; no validation)."""
     return json.loads(path.read_text(encoding="utf-8"))
@@ -292,6 +302,8 @@ def generate(root: Path) -> Generation:
     for nn, path in sols.items():
         try:
             nb = load_notebook(path)
+        except ImportError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any unreadable notebook is a reportable problem
             gen.problems.append(f"solutions/{path.name}: cannot read notebook: {exc}")
             continue
@@ -382,8 +394,8 @@ def strip_solutions(root: Path) -> list[str]:
 
 def keep_or_discard(rel: str, nn: str) -> str:
     """Advice for a file of chapter NN that holds the learner's work."""
-    keep = ("keep it: commit it on a branch (`git switch -c my-work && git commit -am 'my work'`)"
-            " or `git stash -u`")
+    keep = ("keep it: `git stash push --include-untracked -- minisgl notebooks` (later: `git "
+            "stash pop`)")
     if rel.startswith("notebooks/"):
         how = f"move it away, or `python tools/workbook.py reset {nn} --notebook`"
     else:
@@ -525,6 +537,75 @@ def learner_work(root: Path) -> list[str]:
     return work + extra_files(root, manifest)
 
 
+def module_chapters(root: Path) -> dict[str, str]:
+    """Generated path -> chapter NN, read from solutions/ without nbformat (for `status`)."""
+    owner = {}
+    for nn, path in solution_notebooks(root)[0].items():
+        owner[f"notebooks/{path.name}"] = nn
+        try:
+            cells = read_json(path).get("cells", [])
+        except (OSError, ValueError):
+            continue
+        for cell in cells:
+            parsed = parse_writefile(cell_source(cell)) if cell.get("cell_type") == "code" else None
+            if parsed and parsed[0]:
+                owner[parsed[0]] = nn
+    return owner
+
+
+def git_states(root: Path, rels: list[str]) -> dict[str, str] | None:
+    """For each path: "uncommitted" (changed or not in git) or "committed"; None without git."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "-z", "--untracked-files=all",
+                              "--", *rels], cwd=root, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = {entry[3:] for entry in out.stdout.decode("utf-8", "replace").split("\0") if entry[3:]}
+    return {rel: "uncommitted" if rel in dirty else "committed" for rel in rels}
+
+
+def status_advice(root: Path, work: list[str]) -> list[str]:
+    """Commands that set the learner's work aside, for the situation the files are in: changed
+    and not committed (stash them), committed on this branch (a branch keeps them; `reset`
+    restores the reference), notebooks (`reset NN --notebook`), files no notebook writes (move)."""
+    owner = module_chapters(root)
+    states = git_states(root, work)
+    chapters: dict[str, bool] = {}  # NN -> a notebook of it is among the work
+    extra = []
+    for rel in work:
+        if rel in owner:
+            chapters[owner[rel]] = chapters.get(owner[rel], False) or rel.startswith("notebooks/")
+        else:
+            extra.append(rel)
+    # `make reset` sets up .venv first: the advice works before `make setup` too
+    resets = {nn: f"make reset CH={nn}" + (" NB=1" if nb else "") for nn, nb in sorted(chapters.items())}
+    moves = {rel: f"mkdir -p ../my-minisgl-work && mv {rel} ../my-minisgl-work/" for rel in extra}
+    lines = ["`make test` rewrites minisgl/ and notebooks/, so it stops here. To go on:"]
+    uncommitted = [rel for rel in work if states is None or states[rel] == "uncommitted"]
+    committed = [rel for rel in work if rel not in uncommitted]
+    if states is not None and uncommitted:
+        lines += ["  keep your uncommitted work in git's stash:",
+                  "      git stash push --include-untracked -- minisgl notebooks"
+                  "      # later: git stash pop"]
+    if committed:
+        lines.append("  your committed files stay in git's history: restore the reference now "
+                     "(each file is copied to .workbook-backup/ first), and after the tests "
+                     "`git restore minisgl notebooks` brings yours back:")
+        owned = sorted({owner[rel] for rel in committed if rel in owner})
+        lines += [f"      {resets[nn]}" for nn in owned]
+        lines += [f"      {moves[rel]}" for rel in committed if rel in moves]
+    if uncommitted:
+        lines.append(("  or set it all aside" if states is not None else "  set it aside") +
+                     f" (each file is copied to {BACKUP_DIR}/ first, then the reference is "
+                     "restored):")
+        lines += [f"      {cmd}" for cmd in [*resets.values(), *moves.values()]]
+    return lines
+
+
 def status(root: Path = ROOT) -> int:
     """Exit 1 (with advice) when minisgl/ or notebooks/ hold the learner's own work. (A file that
     is merely out of date, generated from an older solutions/, is `check`'s business.)"""
@@ -534,8 +615,9 @@ def status(root: Path = ROOT) -> int:
         return 0
     print("status: these files hold your own work (they differ from what "
           "`python tools/workbook.py build` generated):")
-    print("\n".join(f"  {rel}" for rel in work))
-    print(f"To proceed: {STASH_HELP}.")
+    states = git_states(root, work) or {}
+    print("\n".join(f"  {rel}" + (f"   ({states[rel]})" if rel in states else "") for rel in work))
+    print("\n".join(status_advice(root, work)))
     return 1
 
 
@@ -570,6 +652,26 @@ def reset(root: Path, chapter: str, notebook: bool = False) -> int:
     return 0
 
 
+def need_packages(command: str, args: str, chapter: str | None, notebook: bool) -> None:
+    """`build`, `check` and `reset` read notebooks with nbformat and nbstripout: under a Python
+    that lacks them (the plain `python3` of a fresh machine), say which Python has them."""
+    missing = [name for name in ("nbformat", "nbstripout") if not _importable(name)]
+    if missing:
+        make = {"build": "make workbook", "check": "make check",
+                "reset": f"make reset CH={chapter}" + (" NB=1" if notebook else "")}[command]
+        raise WorkbookError(
+            f"`{command}` needs the workbook's packages ({', '.join(missing)} missing from "
+            f"{sys.executable}). Run it with the workbook's Python, `.venv/bin/python "
+            f"tools/workbook.py {args}`, or as `{make}` "
+            "(which creates .venv first when it is missing).")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(prog="python tools/workbook.py", description=__doc__,
@@ -586,6 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
+        if args.command != "status":
+            need_packages(args.command, shlex.join(sys.argv[1:] if argv is None else argv),
+                          getattr(args, "chapter", None), getattr(args, "notebook", False))
         if args.command == "reset":
             return reset(root, args.chapter, args.notebook)
         return {"build": build, "check": check, "status": status}[args.command](root)

@@ -21,9 +21,8 @@ FlashInfer.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 
@@ -33,6 +32,7 @@ from minisgl.models import ModelConfig
 from minisgl.utils import div_even
 
 from .base import BaseAttnBackend, BaseAttnMetadata
+from .fi_graph import FlashInferGraphHooks
 from .fi_metadata import PagedKVMetadata, build_paged_metadata
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's scratch space for split-KV partial results
@@ -52,7 +52,7 @@ class FIAttnMetadata(BaseAttnMetadata):
         return self.last_indices[:bs]
 
 
-class FlashInferBackend(BaseAttnBackend):
+class FlashInferBackend(FlashInferGraphHooks, BaseAttnBackend):
     def __init__(self, config: ModelConfig) -> None:
         import flashinfer  # only here: this module must import on machines without it
 
@@ -86,7 +86,6 @@ class FlashInferBackend(BaseAttnBackend):
             self.workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores)
         self.graph_wrappers: Dict[int, Any] = {}  # batch size -> decode wrapper with static buffers
 
-    # ------------------------------------------------------------------ eager
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs if batch.padded_reqs is not None else batch.reqs
         device = self.kv_cache.device
@@ -118,36 +117,3 @@ class FlashInferBackend(BaseAttnBackend):
             self._plan(md)
         kv = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
         return md.wrapper.run(q.contiguous(), kv)  # [T, Hq, D]
-
-    # ------------------------------------------------------------------ CUDA graphs (decode)
-    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
-        """One decode wrapper per captured batch size, planned into static index buffers sized
-        for requests of up to ``max_seq_len`` tokens (FlashInfer's graph mode)."""
-        device = self.kv_cache.device
-        max_pages = -(-max_seq_len // self.page_size)
-        self._g_out_loc = torch.zeros(max(bs_list), dtype=torch.int64, device=device)
-        for bs in bs_list:
-            self.graph_wrappers[bs] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, kv_layout="NHD", use_cuda_graph=True,
-                use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=device),
-                paged_kv_indices_buffer=torch.zeros(bs * max_pages, dtype=torch.int32,
-                                                    device=device),
-                paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=device))
-
-    def _to_graph(self, md: FIAttnMetadata, bs: int) -> FIAttnMetadata:
-        if md.is_prefill or bs not in self.graph_wrappers:
-            raise ValueError(f"no CUDA graph for this batch (decode={not md.is_prefill}, "
-                             f"padded size {bs}; captured sizes {sorted(self.graph_wrappers)})")
-        self._g_out_loc[:bs].copy_(md.out_loc)
-        graph_md = dataclasses.replace(md, out_loc=self._g_out_loc[:bs],
-                                       wrapper=self.graph_wrappers[bs])
-        self._plan(graph_md)  # writes this batch's indices into the wrapper's static buffers
-        return graph_md
-
-    def prepare_for_capture(self, batch: Batch) -> None:
-        self.prepare_metadata(batch)
-        batch.attn_metadata = self._to_graph(batch.attn_metadata, batch.padded_size)
-
-    def prepare_for_replay(self, batch: Batch) -> None:
-        self._to_graph(batch.attn_metadata, batch.padded_size)

@@ -2,28 +2,18 @@
 """Paged attention in plain torch, for any batch: prefill with or without a cached prefix,
 decode, grouped-query attention, padding requests, any page size.
 
-``prepare_metadata`` does all the bookkeeping once per batch:
-
-- ``kv_slots [Bp, L]``: for request ``b``, the pool slots of its key positions ``0 .. L_b - 1``
-  (``L = max device_len``; shorter rows are padded with a valid slot and masked out);
-- ``q_index [Bp, Qmax]``: which of the ``T`` query rows belong to request ``b`` (prefill only);
-- ``mask``: may query ``i`` of request ``b`` (absolute position ``cached_len + i``) see key ``j``?
-  Bottom-right causal: ``j <= cached_len + i`` and ``j < device_len``.
-
-``forward`` (once per layer) then only stores, gathers and calls one
-``scaled_dot_product_attention`` for the whole batch. Grouped-query attention is folded into the
-query rows: the ``G = Hq / Hkv`` query heads that share a KV head become ``G`` times more rows of
-that KV head, so K and V are never repeated.
-
-The CUDA-graph hooks at the end (the chapter's GPU section) give decode batches fixed shapes: a
-captured graph attends over the whole page-table width ``W`` for every request, masked at each
-``device_len``, so its cost grows with ``W`` (keep ``max_seq_len`` modest, or use FlashInfer).
+``prepare_metadata`` does the bookkeeping once per batch: each request's key slots
+``kv_slots [Bp, Kmax]`` from the page table (``Kmax`` = the longest ``device_len``; shorter rows
+are padded with valid slots, masked out), the query rows of each request, the mask. ``forward``
+(once per layer) then stores, gathers and calls one ``scaled_dot_product_attention`` for the
+whole batch. Grouped-query attention is folded into the query rows: the ``G = Hq / Hkv`` query
+heads that share a KV head become ``G`` times more rows of that KV head, so K and V are never
+repeated. The CUDA-graph hooks come from ``torch_graph.py`` (the optional GPU section).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +24,8 @@ from minisgl.models import ModelConfig
 from minisgl.utils import div_even
 
 from .base import BaseAttnBackend, BaseAttnMetadata
+from .mask import build_mask
+from .torch_graph import TorchGraphHooks
 
 
 @dataclass
@@ -41,37 +33,20 @@ class TorchAttnMetadata(BaseAttnMetadata):
     cu_seqlens_q: torch.Tensor  # [Bp + 1] int64: query rows of request b are cu[b] .. cu[b+1]-1
     seq_lens: torch.Tensor  # [Bp] int64: device_len of each request (keys it attends to)
     out_loc: torch.Tensor  # [T] int64: slot each new token's k/v is written to
-    kv_slots: torch.Tensor  # [Bp * L] int64: flattened [Bp, L] slots of every key position
-    max_kv_len: int  # L
+    kv_slots: torch.Tensor  # [Bp * Kmax] int64: flattened [Bp, Kmax] slots of every key position
+    max_kv_len: int  # Kmax
     max_q_len: int  # Qmax
     q_index: torch.Tensor | None  # [Bp * Qmax] int64 rows of q per request; None in pure decode
     o_index: torch.Tensor | None  # [T] int64: where each real query row sits in [Bp * Qmax]
-    mask: torch.Tensor | None  # [Bp, 1, G * Qmax, L] bool (True = may attend) or None
+    mask: torch.Tensor | None  # [Bp, 1, G * Qmax, Kmax] bool (True = may attend) or None
     last_indices: torch.Tensor  # [Bp] int64: cu_seqlens_q[1:] - 1
 
     def get_last_indices(self, bs: int) -> torch.Tensor:
         return self.last_indices[:bs]
 
 
-def build_mask(cached_lens: torch.Tensor, extend_lens: torch.Tensor, seq_lens: torch.Tensor,
-               max_q_len: int, max_kv_len: int) -> torch.Tensor:
-    """``[Bp, Qmax, L]`` bool: query ``i`` of request ``b`` may attend to key ``j``.
+class TorchBackend(TorchGraphHooks, BaseAttnBackend):
 
-    Query ``i`` is absolute position ``cached_len + i``; it sees keys ``0 .. cached_len + i``
-    (bottom-right causal). Rows past a request's ``extend_len`` are padding: they see key 0 only,
-    so softmax stays finite, and their output is discarded.
-    """
-    # BEGIN SOLUTION 5.1: bottom-right causal mask, padded rows and columns handled
-    i = torch.arange(max_q_len)[None, :, None]  # [1, Qmax, 1]
-    j = torch.arange(max_kv_len)[None, None, :]  # [1, 1, L]
-    query_pos = cached_lens[:, None, None] + i  # [Bp, Qmax, 1]
-    allowed = (j <= query_pos) & (j < seq_lens[:, None, None])
-    is_pad_row = i >= extend_lens[:, None, None]
-    return torch.where(is_pad_row, j == 0, allowed)
-    # END SOLUTION
-
-
-class TorchBackend(BaseAttnBackend):
     def __init__(self, config: ModelConfig) -> None:
         ctx = get_global_ctx()
         if ctx.kv_cache is None or ctx.page_table is None:
@@ -87,25 +62,20 @@ class TorchBackend(BaseAttnBackend):
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs if batch.padded_reqs is not None else batch.reqs
-        device = self.page_table.device
-        rows_total, width = self.page_table.shape
-        for r in reqs:  # clear errors here: a bad row would surface as a raw IndexError below
-            if not 0 <= r.table_idx < rows_total:
-                raise IndexError(f"Req(uid={r.uid}).table_idx={r.table_idx} is outside the page "
-                                 f"table's rows 0..{rows_total - 1}.")
-            if r.device_len > width:
-                raise ValueError(f"Req(uid={r.uid}) has {r.device_len} tokens but page-table rows "
-                                 f"hold {width}: a request holds at most the Engine's max_seq_len "
-                                 "tokens (prompt + output_len); take it out of the batch.")
+        device, rows_total = self.page_table.device, self.page_table.shape[0]
+        bad = [r for r in reqs if not 0 <= r.table_idx < rows_total]
+        if bad:  # this runs before forward_batch's checks: the first place a bad row is met
+            raise IndexError(f"Req(uid={bad[0].uid}).table_idx={bad[0].table_idx} is outside the "
+                             f"page table's rows 0..{rows_total - 1}.")
         cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
         seq_lens = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
         extend = seq_lens - cached
         cu_q = torch.zeros(len(reqs) + 1, dtype=torch.int64)
         torch.cumsum(extend, 0, out=cu_q[1:])
         max_q, max_kv = int(extend.max()), int(seq_lens.max())
-        # BEGIN SOLUTION 5.2: every request's key slots, padded to [Bp, L], from the page table
+        # BEGIN SOLUTION 5.2: every request's key slots, padded to [Bp, Kmax], from the page table
         rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64, device=device)
-        kv_slots = self.page_table[rows, :max_kv].long()  # [Bp, L]; past device_len: masked
+        kv_slots = self.page_table[rows, :max_kv].long()  # [Bp, Kmax]; past device_len: masked
         # END SOLUTION
         if batch.is_decode and max_q == 1:  # one query per request: no gather, mask only lengths
             q_index = o_index = None
@@ -118,7 +88,7 @@ class TorchBackend(BaseAttnBackend):
             valid = offs[None, :] < extend[:, None]
             o_index = (torch.arange(len(reqs))[:, None] * max_q + offs)[valid]  # [T]
             q_index = q_index.flatten()
-            mask = build_mask(cached, extend, seq_lens, max_q, max_kv)  # [Bp, Qmax, L]
+            mask = build_mask(cached, extend, seq_lens, max_q, max_kv)  # [Bp, Qmax, Kmax]
             # the G query heads of a KV head are G blocks of Qmax rows: repeat the mask per block
             mask = mask[:, None].expand(-1, self.group, -1, -1).reshape(
                 len(reqs), 1, self.group * max_q, max_kv)
@@ -135,13 +105,13 @@ class TorchBackend(BaseAttnBackend):
                 batch: Batch) -> torch.Tensor:
         md: TorchAttnMetadata = batch.attn_metadata
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
-        bp, L, qmax = md.seq_lens.shape[0], md.max_kv_len, md.max_q_len
+        bp, kmax, qmax = md.seq_lens.shape[0], md.max_kv_len, md.max_q_len
         # BEGIN SOLUTION 5.3: store first, gather each request's keys, one batched SDPA
         self.kv_cache.store_kv(k, v, md.out_loc, layer_id)
         k_all = self.kv_cache.k_cache(layer_id).view(-1, hkv, d).index_select(0, md.kv_slots)
         v_all = self.kv_cache.v_cache(layer_id).view(-1, hkv, d).index_select(0, md.kv_slots)
-        k_all = k_all.view(bp, L, hkv, d).transpose(1, 2)  # [Bp, Hkv, L, D]
-        v_all = v_all.view(bp, L, hkv, d).transpose(1, 2)
+        k_all = k_all.view(bp, kmax, hkv, d).transpose(1, 2)  # [Bp, Hkv, Kmax, D]
+        v_all = v_all.view(bp, kmax, hkv, d).transpose(1, 2)
         if md.q_index is None:  # decode: q [Bp, Hq, D] -> [Bp, Hkv, G, D]
             o = F.scaled_dot_product_attention(q.view(bp, hkv, g, d), k_all, v_all,
                                                attn_mask=md.mask)
@@ -152,42 +122,3 @@ class TorchBackend(BaseAttnBackend):
         o = o.view(bp, hkv, g, qmax, d).permute(0, 3, 1, 2, 4).reshape(bp * qmax, hkv * g, d)
         return o.index_select(0, md.o_index)  # [T, Hq, D]
         # END SOLUTION
-
-    # ------------------------------------------------------------------ CUDA graphs (decode)
-    # A graph replays fixed shapes and fixed addresses. Decode metadata has one shape that moves,
-    # L = max device_len; here L is pinned to W = max_seq_len (the page-table width) and every
-    # field lives in a buffer allocated once; prepare_for_replay copies the step's metadata in.
-    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
-        max_bs, dev, w = max(bs_list), self.page_table.device, max_seq_len
-        self._graph_width = w
-        self._g_kv_slots = torch.zeros(max_bs, w, dtype=torch.int64, device=dev)  # valid slots
-        self._g_mask = torch.zeros(max_bs, 1, 1, w, dtype=torch.bool, device=dev)
-        self._g_seq_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
-        self._g_out_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self._g_rows = torch.arange(max_bs + 1, dtype=torch.int64, device=dev)  # decode: cu = b
-        self._g_cols = torch.arange(w, device=dev)
-
-    def _refresh_graph_buffers(self, md: TorchAttnMetadata) -> None:
-        """Copy a decode batch's eager metadata into the static buffers (in place)."""
-        bs, L = md.seq_lens.shape[0], md.max_kv_len
-        if md.max_q_len != 1 or L > self._graph_width:
-            raise ValueError(f"a CUDA graph replays decode batches of at most "
-                             f"{self._graph_width} tokens per request; got max_q_len="
-                             f"{md.max_q_len}, L={L}")
-        self._g_kv_slots[:bs, :L].copy_(md.kv_slots.view(bs, L))  # columns past L: masked
-        self._g_seq_lens[:bs].copy_(md.seq_lens)
-        self._g_mask[:bs, 0, 0].copy_(self._g_cols[None, :] < md.seq_lens[:, None])
-        self._g_out_loc[:bs].copy_(md.out_loc)
-
-    def prepare_for_capture(self, batch: Batch) -> None:
-        self.prepare_metadata(batch)  # the (dummy) batch's metadata, copied into the buffers
-        self._refresh_graph_buffers(batch.attn_metadata)
-        bs = batch.padded_size
-        batch.attn_metadata = TorchAttnMetadata(
-            cu_seqlens_q=self._g_rows[: bs + 1], seq_lens=self._g_seq_lens[:bs],
-            out_loc=self._g_out_loc[:bs], kv_slots=self._g_kv_slots[:bs].view(-1),
-            max_kv_len=self._graph_width, max_q_len=1, q_index=None, o_index=None,
-            mask=self._g_mask[:bs], last_indices=self._g_rows[:bs])
-
-    def prepare_for_replay(self, batch: Batch) -> None:
-        self._refresh_graph_buffers(batch.attn_metadata)  # set by prepare_metadata(batch)

@@ -42,11 +42,11 @@ def sample_impl(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.T
     """``logits [B, V]`` -> token ids ``[B]``: softmax(logits / t), keep the top-k, then the
     smallest set of the survivors whose mass reaches top-p (always the likeliest token), renormalise,
     draw."""
+    # BEGIN SOLUTION 6.1: temperature, top-k, then top-p on the renormalised survivors, draw
     probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)  # [B, V]
     if top_k is None and top_p is None:
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
     sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V] likeliest first
-    # BEGIN SOLUTION 6.1: top-k first, then top-p on the renormalised survivors
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     if top_k is not None:
         sorted_p = sorted_p.masked_fill(rank >= top_k[:, None], 0.0)
@@ -54,9 +54,9 @@ def sample_impl(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.T
         kept = sorted_p / sorted_p.sum(-1, keepdim=True)
         mass_before = kept.cumsum(-1) - kept  # mass of the likelier tokens
         sorted_p = sorted_p.masked_fill((mass_before >= top_p[:, None]) & (rank > 0), 0.0)
-    # END SOLUTION
     choice = torch.multinomial(sorted_p, 1, generator=generator)  # renormalises implicitly
-    return order.gather(1, choice).squeeze(1)
+    return order.gather(1, choice).squeeze(1)  # rank -> token id
+    # END SOLUTION
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Sampler:
                                  f"({self.vocab_size} tokens); use -1 for no top-k cut.")
         if all(p is None or p.is_greedy for p in params):
             return BatchSamplingArgs(None)
-        # BEGIN SOLUTION 6.2: temperatures always; top_k / top_p only when some row needs them
+        # BEGIN SOLUTION 6.2: temperature, top_k, top_p per row (no cut: vocab_size, 1.0)
         temps = [1e-6 if (p is None or p.is_greedy) else max(p.temperature, 1e-6) for p in params]
         ks = [self.vocab_size if (p is None or p.top_k < 1) else p.top_k for p in params]
         ps = [1.0 if p is None else min(max(p.top_p, 1e-6), 1.0) for p in params]

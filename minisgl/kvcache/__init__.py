@@ -4,6 +4,7 @@
 from .base import BaseCacheHandle, BaseKVCachePool
 from .mha_pool import MHAKVCache, create_kvcache_pool
 from .page_table import (
+    allocate_pages,
     batch_input_ids,
     batch_out_loc,
     batch_positions,
@@ -17,6 +18,7 @@ __all__ = [
     "BaseCacheHandle",
     "BaseKVCachePool",
     "MHAKVCache",
+    "allocate_pages",
     "batch_input_ids",
     "batch_out_loc",
     "batch_positions",

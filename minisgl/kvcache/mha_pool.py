@@ -22,10 +22,6 @@ from .base import BaseKVCachePool
 class MHAKVCache(BaseKVCachePool):
     def __init__(self, num_kv_heads: int, num_layers: int, head_dim: int, num_pages: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size={page_size}: a page holds at least one token.")
-        if num_pages < 1:
-            raise ValueError(f"num_pages={num_pages}: the pool needs at least one page.")
         self.num_kv_heads = div_even(num_kv_heads, get_tp_info().size, allow_replicate=True)
         self.head_dim = head_dim
         self.num_pages = num_pages

@@ -34,7 +34,8 @@ def create_token_pool(page_table: torch.Tensor) -> torch.Tensor:
 
 
 def pages_to_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Page ids ``[n]`` -> their token slots ``[n * page_size]`` (page by page, in order)."""
+    """Page ids ``[n]`` -> their token slots ``[n * page_size]`` (page by page, in order), in the
+    dtype and on the device of ``pages``."""
     # BEGIN SOLUTION 4.2: expand every page into its page_size consecutive slots
     offsets = torch.arange(page_size, dtype=pages.dtype, device=pages.device)
     return (pages[:, None] * page_size + offsets).flatten()
@@ -49,22 +50,43 @@ def batch_positions(reqs: Sequence[Req]) -> torch.Tensor:
 
 def batch_row_map(reqs: Sequence[Req]) -> torch.Tensor:
     """``[T]`` int64: the page-table row (``table_idx``) of the request owning each token."""
-    return torch.cat([torch.full((r.extend_len,), r.table_idx, dtype=torch.int64) for r in reqs])
+    # BEGIN SOLUTION 4.3: each request's table_idx, repeated once per new token (extend_len)
+    rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
+    return rows.repeat_interleave(torch.tensor([r.extend_len for r in reqs]))
+    # END SOLUTION
+
+
+def _lookup(table: torch.Tensor, reqs: Sequence[Req], positions: torch.Tensor | None):
+    """``table[row of its request, its position]`` for every new token of ``reqs``."""
+    positions = batch_positions(reqs) if positions is None else positions
+    rows = batch_row_map(reqs).to(table.device)
+    return table[rows, positions.to(table.device).long()]
 
 
 def batch_out_loc(page_table: torch.Tensor, reqs: Sequence[Req],
                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """``[T]`` int32: the KV slot each new token of the batch writes, read from the page table."""
-    positions = batch_positions(reqs) if positions is None else positions
-    # BEGIN SOLUTION 4.3: look up (row, position) for every token
-    rows = batch_row_map(reqs).to(page_table.device)
-    return page_table[rows, positions.to(page_table.device).long()]
-    # END SOLUTION
+    return _lookup(page_table, reqs, positions)
 
 
 def batch_input_ids(token_pool: torch.Tensor, reqs: Sequence[Req],
                     positions: torch.Tensor | None = None) -> torch.Tensor:
     """``[T]`` int32: the token ids of the new positions, read from the token pool."""
-    positions = batch_positions(reqs) if positions is None else positions
-    rows = batch_row_map(reqs).to(token_pool.device)
-    return token_pool[rows, positions.to(token_pool.device).long()]
+    return _lookup(token_pool, reqs, positions)
+
+
+def allocate_pages(page_table: torch.Tensor, req: Req, free_pages: list[int],
+                   page_size: int) -> list[int]:
+    """Before a forward: give ``req`` the pages it still lacks to hold its positions
+    ``0 .. device_len - 1``. They come from the front of ``free_pages`` (removed from it, in
+    place), and their slots go into row ``req.table_idx`` of the page table, at the positions
+    they hold. Returns the pages taken (an empty list when the last page still has room)."""
+    # BEGIN SOLUTION 4.4: pages held = ceil(cached_len / ps), needed = ceil(device_len / ps)
+    have = -(-req.cached_len // page_size)
+    need = -(-req.device_len // page_size)
+    pages = free_pages[:need - have]
+    del free_pages[:need - have]
+    slots = pages_to_slots(torch.tensor(pages, dtype=page_table.dtype), page_size)
+    page_table[req.table_idx, have * page_size:need * page_size] = slots.to(page_table.device)
+    return pages
+    # END SOLUTION

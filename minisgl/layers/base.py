@@ -1,12 +1,10 @@
 # Chapter 02 (02_op_layer.ipynb): BaseOP, StateLessOP and OPList.
 """Ops are plain objects whose tensor attributes are their weights.
 
-``state_dict()`` walks the attributes in the order they were set: a tensor attribute ``name``
-becomes the key ``prefix.name``, a ``BaseOP`` attribute recurses with ``prefix.name``, and
-everything else (ints, callables, None, names starting with ``_``) is skipped. So the keys mirror
-the attribute names exactly, and naming attributes like Hugging Face's modules makes checkpoint
-keys line up with no mapping table. ``load_state_dict`` replaces each placeholder tensor (usually
-a ``meta`` tensor) with the checkpoint's tensor, after checking shape and dtype.
+The state-dict key of a weight is its attribute path (``layers.0.mlp.down_proj.weight``), so
+naming attributes like Hugging Face's modules makes checkpoint keys line up with no mapping
+table. ``load_state_dict`` swaps each placeholder (usually a ``meta`` tensor) for the
+checkpoint's tensor after checking shape and dtype.
 """
 
 from __future__ import annotations
@@ -106,24 +104,9 @@ class OPList(BaseOP, Generic[T]):
     """A list of ops whose keys are ``prefix.<index>.<...>`` (like HF's ``model.layers.0``)."""
 
     def __init__(self, ops: List[T]) -> None:
-        self.op_list = ops
+        self.op_list = ops  # a list: the walk skips it ...
+        for i, op in enumerate(ops):
+            setattr(self, str(i), op)  # ... and finds each op under its index instead
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("OPList has no forward of its own: loop over .op_list")
-
-    def state_dict(self, *, prefix: str = "", result: StateDict | None = None) -> StateDict:
-        result = {} if result is None else result
-        for i, op in enumerate(self.op_list):
-            op.state_dict(prefix=_concat_prefix(prefix, str(i)), result=result)
-        return result
-
-    def load_state_dict(self, state_dict: StateDict, *, prefix: str = "",
-                        _internal: bool = False) -> None:
-        if not _internal:
-            missing = set(self.state_dict(prefix=prefix)) - set(state_dict)
-            if missing:
-                raise KeyError(f"the checkpoint lacks: {_short_list(missing)}")
-        for i, op in enumerate(self.op_list):
-            op.load_state_dict(state_dict, prefix=_concat_prefix(prefix, str(i)), _internal=True)
-        if not _internal and state_dict:
-            raise RuntimeError(f"unexpected keys in the checkpoint: {_short_list(state_dict)}")

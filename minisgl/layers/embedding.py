@@ -78,15 +78,15 @@ class ParallelLMHead(BaseOP):
         """``[T, hidden]`` -> logits ``[B, V]`` in prefill (last token of each real request) or
         ``[Bp, V]`` in decode (every row, padding included)."""
         batch = get_global_ctx().batch
-        # BEGIN SOLUTION 2.5: in prefill keep only the last token of each real request
+        weight = self._tied_embedding.weight if self.tie_word_embeddings else self.weight
+        # BEGIN SOLUTION 2.5: last tokens in prefill; this rank's logits; gather the vocab slices
         if batch.is_prefill:
             x = x[batch.attn_metadata.get_last_indices(batch.size)]
-        # END SOLUTION
-        weight = self._tied_embedding.weight if self.tie_word_embeddings else self.weight
         logits = self._matmul(x, weight, self.bias)  # [rows, V / tp]
         if self.tp_size > 1:
             rows = logits.shape[0]
             gathered = self._comm.all_gather(logits)  # [tp * rows, V / tp], rank-major
             logits = gathered.view(self.tp_size, rows, -1).transpose(0, 1).reshape(rows, -1)
-            logits = logits[:, : self.num_embeddings]
+            logits = logits[:, : self.num_embeddings]  # the padding columns of the last shard
+        # END SOLUTION
         return logits

@@ -1,24 +1,22 @@
-# Chapter 02 (02_op_layer.ipynb): rotary position embedding with default, llama3 and yarn scaling.
+# Chapter 02 (02_op_layer.ipynb): rotary position embedding: the op, its table, get_rope.
 """Rotary position embedding (RoPE), NeoX "rotate-half" convention.
 
 Each head vector is split into two halves ``x1, x2``; at position ``p`` pair ``i`` is rotated by
 the angle ``p * inv_freq[i]``: ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``. The cos/sin of
 every position up to ``max_position`` is computed once, in float32, and looked up per token.
-Scaled variants (``llama3``, ``yarn``) only change ``inv_freq`` (and, for yarn, scale cos/sin);
-Hugging Face ``transformers`` is the reference for both.
+Scaled variants (``llama3``, ``yarn``, in ``rope_scaling.py``) only change ``inv_freq`` (and,
+for yarn, scale cos/sin).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
 from .base import StateLessOP
-
-PostProcess = Callable[[torch.Tensor], Tuple[torch.Tensor, float]]
+from .rope_scaling import PostProcess, scaling_post_process
 
 
 class RotaryEmbedding(StateLessOP):
@@ -74,56 +72,6 @@ def _rotation_targets(query: torch.Tensor, key: torch.Tensor) -> Tuple[torch.Ten
     return (query, key)
 
 
-def _llama3(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
-            high_freq_factor: float, original_max_position_embeddings: int,
-            **_: Any) -> Tuple[torch.Tensor, float]:
-    """Llama 3: long wavelengths slowed down by ``factor``, short ones kept, smooth in between."""
-    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
-    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
-        high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled), 1.0
-
-
-def _yarn(inv_freq: torch.Tensor, rotary_dim: int, base: float, factor: float,
-          original_max_position_embeddings: int, beta_fast: float | None = None,
-          beta_slow: float | None = None, attention_factor: float | None = None,
-          mscale: float | None = None, mscale_all_dim: float | None = None,
-          truncate: bool = True, **_: Any) -> Tuple[torch.Tensor, float]:
-    """YaRN: blend interpolated (``/factor``) and original frequencies with a linear ramp
-    over the dimensions, and scale cos/sin by an attention factor (as HF computes it)."""
-
-    def mscale_of(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if attention_factor is None:
-        if mscale and mscale_all_dim:
-            attention_factor = mscale_of(factor, mscale) / mscale_of(factor, mscale_all_dim)
-        else:
-            attention_factor = mscale_of(factor)
-    beta_fast, beta_slow = beta_fast or 32, beta_slow or 1
-
-    def correction_dim(rotations: float) -> float:
-        return (rotary_dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi))
-                ) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rotary_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
-            / (high - low)).clamp(0, 1)
-    keep_original = 1 - ramp  # 1 for high-frequency dims (extrapolate), 0 for low (interpolate)
-    blended = (inv_freq / factor) * (1 - keep_original) + inv_freq * keep_original
-    return blended, float(attention_factor)
-
-
 _ROPE_DEVICE: torch.device = torch.device("cpu")
 
 
@@ -135,18 +83,7 @@ def set_rope_device(device: torch.device | str) -> None:
 
 def _get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
               rope_scaling: Dict[str, Any] | None) -> RotaryEmbedding:
-    post_process = None
-    if rope_scaling is not None:
-        params = dict(rope_scaling)
-        kind = params.pop("rope_type", params.pop("type", "default"))
-        params.pop("rope_theta", None)
-        if kind == "llama3":
-            post_process = functools.partial(_llama3, **params)
-        elif kind == "yarn":
-            post_process = functools.partial(_yarn, rotary_dim=rotary_dim, base=base, **params)
-        elif kind != "default":
-            raise ValueError(f"rope_type {kind!r} is not supported; supported: default, llama3, "
-                             "yarn.")
+    post_process = scaling_post_process(rope_scaling, rotary_dim, base)
     return RotaryEmbedding(head_dim, rotary_dim, max_position, base, post_process,
                            device=_ROPE_DEVICE)
 

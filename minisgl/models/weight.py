@@ -1,21 +1,12 @@
 # Chapter 03 (03_models_and_weights.ipynb): streaming weight loading with merging and sharding.
-"""Read a checkpoint tensor by tensor, shard it for this rank, and merge fused projections.
-
-``load_weight`` is a generator: it opens each ``*.safetensors`` file lazily and yields
-``(name, tensor)`` pairs one at a time, so at any moment only one tensor (plus the parts of a
-fused projection still waiting for their siblings) is held beyond what the caller keeps.
-
-Two renames happen on the way:
-- ``q_proj``, ``k_proj``, ``v_proj`` -> ``qkv_proj`` (concatenated in that order);
-- ``gate_proj``, ``up_proj`` -> ``gate_up_proj``.
-Only safetensors files are read: no pickle, so loading a checkpoint cannot run code.
-"""
+"""Stream a checkpoint tensor by tensor: shard each for this rank, merge q/k/v into ``qkv_proj``
+and gate/up into ``gate_up_proj`` (in that order), and yield ``(name, tensor)`` one at a time;
+only the parts of a fused projection still waiting for their siblings are held back."""
 
 from __future__ import annotations
 
-import functools
 import pathlib
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from minisgl.distributed import DistributedInfo, get_tp_info
 from minisgl.utils import div_ceil
 
+from .checkpoint import load_hf_config, resolve_model_path, safetensors_files
 from .config import ModelConfig
 
 # fused name -> the parts it is made of, in order
@@ -32,46 +24,6 @@ _PART_TO_FUSED = {part: (fused, i) for fused, parts in _MERGES.items()
 _COLUMN_SPLIT = (".q_proj", ".k_proj", ".v_proj", ".gate_proj", ".up_proj")
 _ROW_SPLIT = (".o_proj", ".down_proj")
 _SKIP_PREFIXES = ("vision_tower.", "multi_modal_projector.")
-
-
-def resolve_model_path(model_path: str | pathlib.Path) -> pathlib.Path:
-    """The local model folder, or a clear error (weights never come from a hub here)."""
-    path = pathlib.Path(model_path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model folder {str(path)!r} does not exist. Run `make models` "
-                                "for the workbook's models, or pass the path of a local folder "
-                                "holding config.json and *.safetensors.")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: pass the folder of a Hugging Face "
-                                "checkpoint (config.json + *.safetensors + tokenizer files).")
-    return path
-
-
-def safetensors_files(path: pathlib.Path) -> List[pathlib.Path]:
-    files = sorted(path.glob("*.safetensors"))
-    if len(files) > 1:  # some repos ship a consolidated copy beside the shards
-        files = [f for f in files if f.name != "consolidated.safetensors"]
-    if not files:
-        found = ", ".join(sorted(p.name for p in path.iterdir())[:10])
-        raise FileNotFoundError(f"{path} has no *.safetensors file (found: {found}). minisgl "
-                                "reads only safetensors (no pickle .bin files): convert the "
-                                "checkpoint with transformers' save_pretrained(..., "
-                                "safe_serialization=True).")
-    return files
-
-
-@functools.lru_cache(maxsize=8)
-def _load_hf_config(path: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path, local_files_only=True)
-
-
-def load_hf_config(model_path: str | pathlib.Path):
-    """The folder's HF config (read from disk, never from a hub), as a fresh copy."""
-    import copy
-
-    return copy.deepcopy(_load_hf_config(str(resolve_model_path(model_path))))
 
 
 def _shard(name: str, t: torch.Tensor, config: ModelConfig, tp: DistributedInfo) -> torch.Tensor:
@@ -146,12 +98,12 @@ def load_weight(model_path: str | pathlib.Path,
                     raise RuntimeError(f"cannot read tensor {key!r} from {file}: {e}. The file "
                                        "is truncated or corrupt: re-create it.") from e
                 _check_values(key, tensor, file)
+                # BEGIN SOLUTION 3.4: shard, then yield it or buffer the parts of a fused tensor
                 tensor = _shard(name, tensor, config, tp)
                 fused = _fused_name(name)
                 if fused is None:
                     yield name, tensor
                     continue
-                # BEGIN SOLUTION 3.4: buffer the parts; yield the fused tensor once complete
                 fused_name, slot = fused
                 parts = pending.setdefault(fused_name, {})
                 parts[slot] = tensor
