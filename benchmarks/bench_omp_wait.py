@@ -4,8 +4,11 @@ A kernel that splits its work over two threads pays for a hand-off at every call
 thread must be woken, and the caller waits for it at the end. Until this benchmark, the kernels
 used ``at::parallel_for`` (OpenMP, torch's libgomp), whose threads *spin* for about 3 ms after
 each call; on a busy machine a spinning thread that loses its core makes the next call wait for
-its next time slice, 121 times per step. They now use ``split_rows`` (csrc/common.h): the other
-chunk runs on torch's inter-op threads (``at::launch``), which sleep while they wait.
+its next time slice, 121 times per step. A version whose other chunk ran on torch's inter-op
+threads (``at::launch``, which sleep while they wait) was measured against it with this probe and
+in whole decode steps: much faster under load, but on an idle machine a third slower at batch 4
+(its sleeping thread competes with the OpenMP threads of torch's own ops), so the kernels kept
+``at::parallel_for`` (benchmarks/README.md, "Threads that wait").
 
 This probe times the 121 matmuls of one SmolLM2 decode step at batch 1 (``kernel.linear`` on the
 checkpoint's shapes) in a fresh process per variant, with and without extra load (busy-looping
@@ -18,7 +21,7 @@ processes started here, one per core, stopped by their pid afterwards):
 - ``one``: one thread.
 
 ``--other PATH`` measures another checkout's kernels too, interleaved (``git worktree add
-/tmp/before <commit>`` for the kernels before ``split_rows``): that is the comparison the
+/tmp/before <commit>`` for another version of the kernels): that is the comparison the
 README records. Prints the median, fastest and slowest pass per variant and the ratio to
 ``one``; changes nothing.
 

@@ -33,7 +33,7 @@ from .build import KernelBuildError, cache_dir, load_or_build
 
 _MODULE: ModuleType | None = None
 _FAILED: str | None = None  # why the build failed (not retried in this process)
-FLAGS = ["-O3", "-march=native"]  # the vector width of this CPU (linear.h)
+FLAGS = ["-O3", "-march=native", "-fopenmp"]  # this CPU's vector width (linear.h); threads
 LINEAR_MAX_ROWS = 16  # up to here `linear` beats MKL; beyond, MKL's blocked GEMM wins
 
 
@@ -44,7 +44,7 @@ def load() -> ModuleType | None:
     if _MODULE is not None or _FAILED is not None:
         return _MODULE
     errors = []
-    for flags in (FLAGS, ["-O3"]):  # some compilers reject -march=native
+    for flags in (FLAGS, ["-O3"]):  # some compilers reject -march=native or -fopenmp
         try:
             _MODULE = load_or_build(flags)
             return _MODULE

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from types import MethodType
 
+import torch
+
 from . import (KernelBuildError, _rmsnorm_fused_forward, _rope_forward, load, silu_and_mul,
                small_batch_linear, unavailable_reason)
 
@@ -31,8 +33,10 @@ def bind(model) -> int:
     from minisgl.layers.linear import _LinearTPImpl
     from minisgl.models.utils import GatedMLP
 
-    if load() is None:
+    module = load()
+    if module is None:
         raise KernelBuildError(f"the C++ kernels are unavailable: {unavailable_reason()}")
+    threads_ok = bool(module.has_openmp()) or torch.get_num_threads() == 1
     bound, ropes, seen, todo = 0, {}, set(), [model]
     while todo:
         op = todo.pop()
@@ -43,8 +47,8 @@ def bind(model) -> int:
         todo += [c for c in children if isinstance(c, BaseOP)]
         if isinstance(op, RMSNormFused):
             op.forward = MethodType(_rmsnorm_fused_forward, op)
-        elif isinstance(op, (_LinearTPImpl, ParallelLMHead)):
-            op._matmul = small_batch_linear
+        elif isinstance(op, (_LinearTPImpl, ParallelLMHead)) and threads_ok:
+            op._matmul = small_batch_linear  # without OpenMP it would run on one thread: keep MKL
         elif isinstance(op, GatedMLP) and op._act_fn is silu:
             op._act_fn = silu_and_mul
         elif isinstance(op, AttentionLayer) and op.rotary._cos_sin_cache.is_cpu:

@@ -4,10 +4,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
-#include <exception>
-#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -51,46 +48,14 @@ void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
               "weight must be a contiguous float32 CPU vector of ", x.size(1), " values");
 }
 
-// Split [begin, end) into one chunk per thread (each more than `grain` items), as
-// at::parallel_for does, but run the other chunks on torch's inter-op threads (at::launch),
-// which sleep while they wait. at::parallel_for's OpenMP threads instead spin for about 3 ms
-// after each call; on a busy machine a spinning thread that loses its core makes the next call
-// wait for its next time slice, and a decode step makes 121 such calls
-// (benchmarks/bench_omp_wait.py: 4-5x slower than one thread, against about 1x here).
+// Spread [begin, end) over torch's intra-op threads when there are more than `grain` items
+// (at::parallel_for: OpenMP, torch's libgomp); fewer items, a decode batch's rows, stay on the
+// calling thread. OpenMP's threads spin for a few milliseconds after each call: the fastest
+// hand-off on a machine with a core to spare, and a slow one when other programs take the cores
+// (benchmarks/bench_omp_wait.py measures both; benchmarks/README.md, "Threads that wait").
 template <typename F>
 void split_rows(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  const int64_t n = end - begin;
-  const int64_t threads = n > grain ? std::min<int64_t>(at::get_num_threads(),
-                                                       (n + grain - 1) / std::max<int64_t>(grain, 1))
-                                     : 1;
-  if (threads <= 1 || at::in_parallel_region()) {
-    if (n > 0) f(begin, end);
-    return;
-  }
-  const int64_t chunk = (n + threads - 1) / threads;
-  std::mutex m;
-  std::condition_variable done;
-  int64_t left = threads - 1;
-  std::exception_ptr error;
-  for (int64_t t = 1; t < threads; ++t) {
-    const int64_t lo = begin + t * chunk, hi = std::min(end, lo + chunk);
-    at::launch([&, lo, hi] {
-      std::exception_ptr e;
-      if (lo < hi) {
-        try { f(lo, hi); } catch (...) { e = std::current_exception(); }
-      }
-      std::lock_guard<std::mutex> g(m);  // notify while holding the lock: the caller may
-      if (e) error = e;                   // return (and free m, done) as soon as it is released
-      --left;
-      done.notify_one();
-    });
-  }
-  std::exception_ptr mine;
-  try { f(begin, std::min(end, begin + chunk)); } catch (...) { mine = std::current_exception(); }
-  std::unique_lock<std::mutex> g(m);
-  done.wait(g, [&] { return left == 0; });
-  if (mine) std::rethrow_exception(mine);
-  if (error) std::rethrow_exception(error);
+  at::parallel_for(begin, end, grain, f);
 }
 
 constexpr int64_t kRowGrain = 64;  // rows per thread before split_rows splits the work

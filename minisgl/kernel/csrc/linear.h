@@ -59,6 +59,14 @@ void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K,
 
 int64_t vector_lanes() { return kLanes; }  // floats per vector in linear's tiles
 
+bool has_openmp() {  // without OpenMP, at::parallel_for runs on one thread
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
 // y = x @ w.T (+ bias) for a few rows of x (a decode batch), w [N, K] in the checkpoint's
 // layout: each output feature's K weights contiguous. MKL's GEMM, tuned for large products,
 // reads the weight much more slowly with 2-16 rows than with one; here every weight byte is
