@@ -74,7 +74,14 @@ def _rank_main(rank: int, tp_size: int, addr: str, fn: Callable, args: tuple, re
     torch.set_num_threads(1)
     if rank != 0:  # only rank 0 prints; errors still reach stderr
         sys.stdout = open(os.devnull, "w")
-    results.put((rank, _pack(fn(rank, tp_size, *args))))  # back to the launcher via a pipe
+    try:
+        value = fn(rank, tp_size, *args)
+    except BaseException:  # sent before this rank dies: it precedes any error it causes in peers
+        import traceback
+
+        results.put((rank, RankFailed(traceback.format_exc())))
+        raise
+    results.put((rank, _pack(value)))  # back to the launcher via a pipe
 
 
 def launch(fn: Callable, tp_size: int, args: Sequence[Any] = (), timeout: float = 120.0,
@@ -94,14 +101,17 @@ def launch(fn: Callable, tp_size: int, args: Sequence[Any] = (), timeout: float 
                              nprocs=tp_size, join=False, start_method="spawn")
     if on_start is not None:
         on_start(ctx.pids())
-    results = {}
+    results, failures = {}, []
     deadline = time.monotonic() + timeout
     try:
         while True:
             done = ctx.join(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
             while not queue.empty():  # read results as they come: a rank exits only once the
                 rank, value = queue.get()  # pipe has taken all of its result
-                results[rank] = _unpack(value)
+                if isinstance(value, RankFailed):
+                    failures.append((rank, value))
+                else:
+                    results[rank] = _unpack(value)
             if done:
                 break
             if time.monotonic() >= deadline:
@@ -109,7 +119,12 @@ def launch(fn: Callable, tp_size: int, args: Sequence[Any] = (), timeout: float 
                                    "every rank was stopped. A rank waiting in a collective for "
                                    "a peer that never comes looks like this.")
     except mp.ProcessRaisedException as e:  # join() has already stopped the other ranks
-        raise RankFailed(f"rank {e.error_index} failed, so the run was stopped:{e}") from None
+        while not queue.empty():  # the first rank to fail, not the first failure join() saw
+            rank, value = queue.get()
+            if isinstance(value, RankFailed):
+                failures.append((rank, value))
+        rank, text = failures[0] if failures else (e.error_index, e)
+        raise RankFailed(f"rank {rank} failed, so the run was stopped:\n\n{text}") from None
     except mp.ProcessExitedException as e:
         raise RankFailed(f"rank {e.error_index} died ({e}), so the run was stopped.") from None
     finally:
