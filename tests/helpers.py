@@ -21,6 +21,23 @@ def model_path(name: str) -> pathlib.Path:
     return path
 
 
+def copy_checkout(dst: pathlib.Path, models: bool = False) -> pathlib.Path:
+    """Copy the files git sees (tracked and untracked, ignored ones left out) to `dst`, times
+    kept; with `models`, link the prepared models/ folder (git-ignored) into it."""
+    import shutil
+    import subprocess
+
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                         capture_output=True, check=True, timeout=60).stdout.decode()
+    for rel in filter(None, out.split("\0")):
+        if (ROOT / rel).is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dst / rel)
+    if models:
+        (dst / "models").symlink_to(ROOT / "models", target_is_directory=True)
+    return dst
+
+
 @functools.lru_cache(maxsize=None)
 def hf_model(name: str):
     """The Hugging Face reference model (float32, eval mode), loaded once per test process."""

@@ -14,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,24 +21,19 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from helpers import ROOT
+from helpers import copy_checkout
 
 pytestmark = pytest.mark.slow  # kernels and a chapter's Run All: not in the quick tier
 KERNEL_CONFIG = Path(sys.prefix) / "etc" / "ipython" / "ipython_kernel_config.py"
 CORE = "minisgl/core.py"
+# the copy's tools and minisgl, not this checkout's; no chapter tests inside the notebooks
+KERNEL_ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+              "MPLBACKEND": "agg", "MINISGL_SKIP_CHAPTER_TESTS": "1"}
 
 
 @pytest.fixture
 def repo(tmp_path) -> Path:
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           capture_output=True, check=True, timeout=60).stdout.decode()
-    dest = tmp_path / "repo"
-    for rel in filter(None, files.split("\0")):
-        if (ROOT / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, dest / rel)
-    (dest / "models").symlink_to(ROOT / "models", target_is_directory=True)
-    return dest
+    return copy_checkout(tmp_path / "repo", models=True)
 
 
 @contextlib.contextmanager
@@ -49,9 +42,7 @@ def kernel(cwd: Path):
     nb = nbformat.v4.new_notebook()
     client = NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(cwd)}})
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    env.update(MPLBACKEND="agg", MINISGL_SKIP_CHAPTER_TESTS="1")
-    with client.setup_kernel(env=env):
+    with client.setup_kernel(env=KERNEL_ENV):
         def run(source: str) -> str:
             cell = nbformat.v4.new_code_cell(source)
             nb.cells.append(cell)
@@ -136,11 +127,9 @@ def run_all(repo: Path, chapter: str, edit=None) -> nbformat.NotebookNode:
         edit(nb)
     path = repo / "notebooks" / f"{chapter}_filled_in.ipynb"
     nbformat.write(nb, path)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    env.update(MPLBACKEND="agg", MINISGL_SKIP_CHAPTER_TESTS="1")
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
-    with client.setup_kernel(env=env):
+    with client.setup_kernel(env=KERNEL_ENV):
         for index, cell in enumerate(nb.cells):
             if cell.cell_type == "code":
                 client.execute_cell(cell, index)

@@ -13,24 +13,13 @@ import sys
 
 import pytest
 
-from helpers import ROOT
-
-
-def _copy_checkout(dst):
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.splitlines()
-    for rel in files:
-        src = ROOT / rel
-        if src.is_file():
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / rel)
-    return dst
+from helpers import ROOT, copy_checkout
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 @pytest.mark.parametrize("edited", ["minisgl/core.py", "notebooks/01_req_batch_context.ipynb"])
 def test_make_test_stops_before_touching_anything_when_you_have_local_work(tmp_path, edited):
-    repo = _copy_checkout(tmp_path / "repo")
+    repo = copy_checkout(tmp_path / "repo")
     if not (repo / edited).exists():
         pytest.skip(f"{edited} does not exist yet")
     with open(repo / edited, "a") as f:
@@ -47,7 +36,7 @@ def test_make_test_stops_before_touching_anything_when_you_have_local_work(tmp_p
 def test_status_reads_the_manifest_and_needs_no_packages(tmp_path):
     """Before set-up (no nbformat yet) `make test` still recognises the learner's work: `status`
     compares hashes with the manifest and runs without site-packages (`python -S`)."""
-    repo = _copy_checkout(tmp_path / "repo")
+    repo = copy_checkout(tmp_path / "repo")
 
     def status():
         res = subprocess.run([sys.executable, "-S", "tools/workbook.py", "status"], cwd=repo,
@@ -104,7 +93,7 @@ def _follow(repo, commands):
 def git_repo(tmp_path):
     if shutil.which("git") is None or shutil.which("make") is None:
         pytest.skip("git and make are needed")
-    repo = _copy_checkout(tmp_path / "repo")
+    repo = copy_checkout(tmp_path / "repo")
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "workbook")
@@ -169,7 +158,7 @@ def test_a_scratch_notebook_is_never_run_by_the_test_command(tmp_path, monkeypat
 
 
 def test_pytest_says_where_backups_went(tmp_path):
-    repo = _copy_checkout(tmp_path / "repo")
+    repo = copy_checkout(tmp_path / "repo")
     (repo / "tests" / "test_zz_backup.py").write_text(
         "import pathlib, sys\n"
         "sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))\n"
@@ -191,7 +180,7 @@ def test_pytest_says_where_backups_went(tmp_path):
 def test_tools_under_a_python_without_the_packages_point_at_the_venv(tmp_path, args, make):
     """The plain `python3` of a fresh machine (`-S`: no site-packages, so no nbformat) gets told
     which Python to use, never "chapters that exist: none" or "delete these notebooks"."""
-    repo = _copy_checkout(tmp_path / "repo")
+    repo = copy_checkout(tmp_path / "repo")
     before = {p: p.read_bytes() for p in (repo / "minisgl").rglob("*.py")}
     res = subprocess.run([sys.executable, "-S", "tools/workbook.py", *args], cwd=repo,
                          capture_output=True, text=True, check=False, timeout=120)
