@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from tp_milestone import MAX_LEN, engine_config, launch  # noqa: E402
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -51,17 +54,23 @@ def write_model(folder: Path) -> Path:
 
 def decode_times(engine, steps: int, warmup: int = 4) -> list[float]:
     """Per-step seconds of ``steps`` decode steps of BATCH requests (after a prefill)."""
-    from minisgl.engine.tp_milestone import Runner
+    from minisgl.core import Req, SamplingParams
 
-    gen = torch.Generator().manual_seed(0)
-    ids = [torch.randint(3, CONFIG["vocab_size"], (8 + i,), generator=gen).tolist()
-           for i in range(BATCH)]
-    runner = Runner(engine, ids, steps + warmup + 1)
-    runner.step("prefill")
+    from benchmarks.measure import run_step
+
+    gen, n, width = torch.Generator().manual_seed(0), steps + warmup + 1, MAX_LEN
+    reqs = []
+    for row in range(BATCH):
+        engine.page_table[row, :width] = torch.arange(row * width, (row + 1) * width)
+        reqs.append(Req(input_ids=torch.randint(3, CONFIG["vocab_size"], (8 + row,),
+                                                generator=gen, dtype=torch.int32),
+                        table_idx=row, cached_len=0, output_len=n, uid=row, cache_handle=None,
+                        sampling_params=SamplingParams(max_tokens=n)))
+    run_step(engine, reqs, "prefill")
     times = []
     for i in range(steps + warmup):
         t0 = time.perf_counter()
-        runner.step("decode")
+        run_step(engine, reqs, "decode")
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
@@ -70,8 +79,6 @@ def decode_times(engine, steps: int, warmup: int = 4) -> list[float]:
 def tp_rank(rank: int, tp_size: int, model: str, steps: int) -> list[float]:
     """One rank of the tp=2 contender: its Engine (random weights), then timed decode steps."""
     from minisgl.engine import Engine
-    from minisgl.engine.tp_milestone import engine_config
-
     engine = Engine(engine_config(model, rank, tp_size, n_reqs=BATCH, use_dummy_weight=True))
     try:
         return decode_times(engine, steps)
@@ -81,8 +88,6 @@ def tp_rank(rank: int, tp_size: int, model: str, steps: int) -> list[float]:
 
 def run(rounds: int, steps: int) -> str:
     from minisgl.engine import Engine
-    from minisgl.engine.ranks import launch
-    from minisgl.engine.tp_milestone import engine_config
 
     with tempfile.TemporaryDirectory(prefix="minisgl-bench-tp-") as tmp:
         model = str(write_model(Path(tmp) / "random-llama"))

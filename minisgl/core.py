@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from minisgl.kvcache.base import BaseKVCachePool
 
 __all__ = ["Batch", "Context", "Req", "SamplingParams", "get_global_ctx", "reset_global_ctx",
-           "set_global_ctx"]
+           "set_global_ctx", "try_get_global_ctx"]
 
 
 @dataclass
@@ -82,6 +82,11 @@ def get_global_ctx() -> Context:
     if _GLOBAL_CTX is None:
         raise RuntimeError("no global Context: build an Engine first (or, in a test, "
                            "set_global_ctx(Context(page_size=1))).")
+    return _GLOBAL_CTX
+
+
+def try_get_global_ctx() -> Context | None:
+    """The global context, or None when no Engine has set one."""
     return _GLOBAL_CTX
 
 

@@ -384,11 +384,9 @@ def test_a_pool_that_fits_only_without_the_old_engine_replaces_it_early(monkeypa
     """The new KV pool does not fit beside the live Engine: once the new weights have loaded,
     the live Engine is shut down to make room (its memory counts as available)."""
     import minisgl.engine.engine as engine_module
-    import minisgl.engine.memory as memory_module
 
     old = engine_for("tiny-llama")
-    for module in (engine_module, memory_module):
-        monkeypatch.setattr(module, "available_memory", lambda device: 0)
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 0)
     capsys.readouterr()
     new = Engine(make_config("tiny-llama", num_page_override=300))
     try:
@@ -462,11 +460,9 @@ def test_kv_pool_budget_counts_the_weights(monkeypatch):
     """With no num_page_override the pool gets memory_ratio of the free memory minus the weights:
     each distinct state-dict tensor once (a tied LM head shares the embedding's)."""
     import minisgl.engine.engine as engine_module
-    import minisgl.engine.memory as memory_module
 
     free = 256 << 20
-    for module in (engine_module, memory_module):
-        monkeypatch.setattr(module, "available_memory", lambda device: free)
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: free)
     _shutdown_live()
     engine = Engine(make_config("tiny-llama", num_page_override=None, memory_ratio=0.5,
                                 max_running_req=256, max_seq_len_override=None))

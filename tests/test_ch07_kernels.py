@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import MethodType
 
 import pytest
 import torch
@@ -45,11 +44,13 @@ def strided_rows(t: int, width: int, extra: int = 7, seed: int = 0) -> torch.Ten
 # ----------------------------------------------------------------------------- numerics
 @pytest.mark.parametrize("t", [1, 4, 300])  # 300 rows: split_rows splits them over threads
 def test_fused_add_rmsnorm_equals_the_learner_code(kmod, t):
-    from minisgl.layers import RMSNormFused
+    from minisgl.layers import RMSNormFused, build_ops
 
-    mine, fused = RMSNormFused(576, 1e-5), RMSNormFused(576, 1e-5)
+    mine = RMSNormFused(576, 1e-5)
+    with build_ops(kernel.op_impls()):  # an op keeps the implementation it was built with
+        fused = RMSNormFused(576, 1e-5)
     mine.weight = fused.weight = torch.randn(576, generator=torch.Generator().manual_seed(1))
-    assert kernel.bind(fused) == 1, "bind should give the one RMSNormFused its kernel"
+    assert fused._kernel is kernel.add_rmsnorm and mine._kernel is None
     x, res = strided_rows(t, 576, seed=2), torch.randn(t, 576)
     for residual in (None, res):
         r_ref = None if residual is None else residual.clone()
@@ -73,9 +74,12 @@ def test_silu_and_mul_equals_the_learner_code(kmod, t):
 @pytest.mark.parametrize("fused", [True, False], ids=["q-and-k-adjacent", "separate"])
 @pytest.mark.parametrize("t", [1, 5, 300])
 def test_rope_equals_the_learner_code(kmod, fused, t):
-    from minisgl.layers import get_rope
+    from minisgl.layers import build_ops, get_rope
 
     rope = get_rope(64, 64, 4096, 10000.0)
+    with build_ops(kernel.op_impls()):
+        fused_rope = get_rope(64, 64, 4096, 10000.0)
+    assert fused_rope is not rope and fused_rope._kernel is kernel.rope
     hq, hkv, d = 9, 3, 64
     positions = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(4)).int()
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(5))
@@ -90,7 +94,7 @@ def test_rope_equals_the_learner_code(kmod, fused, t):
         return torch.cat([q, k], dim=1), buf[:, (hq + hkv) * d:]
 
     qk_ref, v_ref = run(rope.forward)
-    qk, v = run(MethodType(kernel._rope_forward, rope))
+    qk, v = run(fused_rope.forward)
     torch.testing.assert_close(qk, qk_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(v, v_ref), "rope must not touch v, which follows k in the fused qkv"
 
@@ -278,7 +282,7 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
     layers) calls each kernel once per layer (the norms twice, plus the final norm), with K/V
     stored through the pool's ``store_kv``."""
     from minisgl.engine import Engine
-    from minisgl.layers import RMSNormFused, RotaryEmbedding
+    from minisgl.layers import silu_and_mul
 
     from benchmarks.measure import run_step
 
@@ -286,9 +290,8 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
     try:
         assert engine.config.attention_backend == "cpp"
         layer = engine.model.model.layers.op_list[0]
-        assert layer.input_layernorm.forward.__func__ is kernel._rmsnorm_fused_forward
-        assert RMSNormFused.forward is not kernel._rmsnorm_fused_forward, "the class is unchanged"
-        assert layer.self_attn.attn.rotary.forward.__func__ is kernel._rope_forward
+        assert layer.input_layernorm._kernel is kernel.add_rmsnorm
+        assert layer.self_attn.attn.rotary._kernel is kernel.rope
         assert layer.mlp._act_fn is kernel.silu_and_mul
         assert layer.self_attn.qkv_proj._matmul is kernel.small_batch_linear
         assert engine.model.lm_head._matmul is kernel.small_batch_linear
@@ -325,13 +328,14 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
                           "linear": 4 * layers + 1, "store_kv": layers}, counts
     finally:
         engine.shutdown()
-    # the shared rope table was copied, not changed: a default Engine built next runs 2.8
+    # the kernels' rope is a table of its own: a default Engine built next runs 2.8
     engine = Engine(_config())
     try:
         layer = engine.model.model.layers.op_list[0]
         assert engine.config.attention_backend == "torch"
-        assert layer.self_attn.attn.rotary.forward.__func__ is RotaryEmbedding.forward
-        assert layer.input_layernorm.forward.__func__ is RMSNormFused.forward
+        assert layer.self_attn.attn.rotary._kernel is None
+        assert layer.input_layernorm._kernel is None
+        assert layer.mlp._act_fn is silu_and_mul
         assert layer.self_attn.qkv_proj._matmul is F.linear
     finally:
         engine.shutdown()

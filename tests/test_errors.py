@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -339,6 +340,20 @@ def case_out_loc_outside_pool(tmp_path, engine):
     engine.forward_batch(batch, engine.sampler.prepare(batch))
 
 
+def case_positions_mismatch(tmp_path, engine):
+    engine = engine()
+    batch = _filled_batch(engine, [_req(n=4)])
+    batch.positions = batch.positions + 1
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
+def case_out_loc_repeated(tmp_path, engine):
+    engine = engine()
+    batch = _filled_batch(engine, [_req(n=4)])
+    batch.out_loc = torch.zeros_like(batch.out_loc)
+    engine.forward_batch(batch, engine.sampler.prepare(batch))
+
+
 def case_empty_batch(tmp_path, engine):
     from minisgl.core import Batch
 
@@ -599,7 +614,8 @@ def case_weight_overflows_dtype(tmp_path, engine):
 
 def _launcher(*argv):
     """Run the launcher's command line here; what it printed on stderr and its exit status."""
-    from minisgl.engine.launch import main
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+    from tp_milestone import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

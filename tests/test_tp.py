@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU: tp=2 in two processes (gloo) gives tp=1's logits and tokens.
 
-What is checked (chapter 06's optional tp section: minisgl/engine/launch.py, ranks.py,
-tp_milestone.py and tp.py, the Engine's process group; chapter 02's collectives and chapter 03's
+What is checked (chapter 06's optional tp section: examples/tp_milestone.py and
+minisgl/distributed/group.py, the Engine's process group; chapter 02's collectives and chapter 03's
 sharding):
 - loading shards each checkpoint tensor as the layers expect, including tiny-qwen3's single KV
   head, which every rank keeps a whole copy of;
@@ -22,16 +22,16 @@ from __future__ import annotations
 import os
 import pathlib
 import socket
+import sys
 import time
 
 import pytest
 import torch
 from helpers import SMOL, model_path
 
-from minisgl.engine.launch import main
-from minisgl.engine.ranks import RankFailed, launch
-from minisgl.engine.tp_milestone import (FAIL_ENV, Runner, engine_config, milestone_rank,
-                                         prompt_ids)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+from tp_milestone import (FAIL_ENV, MAX_LEN, PROMPTS, RankFailed, engine_config,  # noqa: E402
+                          launch, main, milestone_rank)
 
 TESTS = pathlib.Path(__file__).resolve().parent
 TP_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]  # head counts that split over 2 ranks
@@ -107,6 +107,45 @@ def listening_sockets() -> list[str]:
                             "0" * 32: "[::]"}.get(addr, f"[{addr}]")
                 found.append(f"{host}:{int(port, 16)}")
     return found
+
+
+def prompt_ids(model: str, prompts=PROMPTS) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return [tok(p).input_ids for p in prompts]
+
+
+class Runner:
+    """Drive an Engine by hand as the milestone's ``step()`` does, optionally feeding tokens."""
+
+    def __init__(self, engine, prompt_ids, n: int) -> None:
+        from minisgl.core import Req, SamplingParams
+
+        self.engine, self.reqs = engine, []
+        for row, ids in enumerate(prompt_ids):
+            engine.page_table[row, :MAX_LEN] = torch.arange(row * MAX_LEN, (row + 1) * MAX_LEN)
+            self.reqs.append(Req(input_ids=torch.tensor(ids, dtype=torch.int32), table_idx=row,
+                                 cached_len=0, output_len=n, uid=row, cache_handle=None,
+                                 sampling_params=SamplingParams(max_tokens=n)))
+
+    def step(self, phase: str, feed=None) -> list[int]:
+        from minisgl.core import Batch
+
+        engine, reqs = self.engine, self.reqs
+        batch = Batch(reqs=reqs, phase=phase)
+        engine.graph_runner.pad_batch(batch)
+        batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len)
+                                     for r in reqs]).int()
+        batch.input_ids = torch.cat([r.input_ids[r.cached_len: r.device_len] for r in reqs])
+        batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len: r.device_len]
+                                   for r in reqs])
+        engine.attn_backend.prepare_metadata(batch)
+        out = engine.forward_batch(batch, engine.sampler.prepare(batch))
+        tokens = out.next_tokens_cpu.tolist()
+        for i, r in enumerate(reqs):
+            r.append_host(torch.tensor([tokens[i] if feed is None else feed[i]], dtype=torch.int32))
+        return tokens
 
 
 def forced_run(engine, ids, forced):
@@ -320,11 +359,10 @@ def test_a_failing_rank_fails_the_run(monkeypatch):
     """Rank 1 raises after its prefill while rank 0 waits in the next step's all-reduce."""
     monkeypatch.setenv(FAIL_ENV, "1")
     name = str(model_path("tiny-llama"))
-    ids = prompt_ids(name)[:2]
     pids: list[int] = []
     t0 = time.perf_counter()
     with pytest.raises(RankFailed) as info:
-        launch(milestone_rank, 2, (name, ids, 4, 1, [[0] * 4] * 2), timeout=60,
+        launch(milestone_rank, 2, (name, 4, 1, [[0] * 4] * 2, PROMPTS[:2]), timeout=60,
                on_start=pids.extend)
     took = time.perf_counter() - t0
     msg = str(info.value)

@@ -30,7 +30,7 @@ def _dist():
         raise RuntimeError("a tensor-parallel layer (tp size > 1) needs a process group, but "
                            "torch.distributed is not initialised: build the model inside an "
                            "Engine (it calls init_process_group when tp_info.size > 1), or use "
-                           "`python -m minisgl.engine.launch --tp N`, which starts one process per rank.")
+                           "`python examples/tp_milestone.py --tp N`, which starts one process per rank.")
     return dist
 
 

@@ -2,20 +2,21 @@
 """Fused CPU kernels: the CPU build's counterpart of the official ``minisgl.kernel`` (there,
 CUDA kernels compiled just in time; here, ``csrc.cpp`` compiled on first use by ``build.py``).
 
-Nothing here runs unless an Engine is built with ``EngineConfig(cpu_kernels=True)``. Then, once,
-while the Engine is built, ``bind(model)`` hands the model's ops their fused implementations and
-the attention backend ``"cpp"`` (registered below) replaces decode attention:
+Nothing here runs unless an Engine is built with ``EngineConfig(cpu_kernels=True)``. Then the
+Engine asks ``op_impls()`` for the implementation set *before* it builds the model, every op
+keeps the function its constructor found there, and the attention backend ``"cpp"`` (registered
+below) replaces decode attention:
 
-- ``RMSNormFused.forward`` -> ``fused_add_rmsnorm`` (residual add + RMSNorm in one pass);
-- ``RotaryEmbedding.forward`` -> ``rope_inplace`` (q and k rotated in one pass);
-- ``GatedMLP._act_fn`` -> ``silu_and_mul``;
-- the linear ops' and the LM head's ``_matmul`` -> ``linear`` for a decode batch's few rows;
+- ``RMSNormFused`` -> ``add_rmsnorm`` (``rmsnorm`` / ``fused_add_rmsnorm``: add + norm in one pass);
+- ``RotaryEmbedding`` -> ``rope`` (``rope_inplace``: q and k rotated in one pass);
+- ``GatedMLP``'s activation -> ``silu_and_mul``;
+- the linear ops and the LM head -> ``small_batch_linear`` (``linear``) for a decode's few rows;
 - backend ``"cpp"``: prefill is chapter 05's ``TorchBackend``; decode stores k, v with the pool's
   ``store_kv`` (chapter 04), then calls ``decode_attention``.
 
 The files: ``csrc.cpp`` and ``csrc/*.h`` (the C++), ``cache.py`` (where the library is kept,
 the build lock), ``build.py`` (compile, verify, load), this file (``load()`` and the Python side
-of each kernel), ``binding.py`` (``bind``) and ``attention.py`` (the ``"cpp"`` backend). A
+of each kernel), ``binding.py`` (``op_impls``) and ``attention.py`` (the ``"cpp"`` backend). A
 default Engine never imports this package, so it runs exactly the chapters' code.
 """
 
@@ -26,8 +27,6 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-
-from minisgl.layers.rotary import _rotation_targets
 
 from .build import KernelBuildError, cache_dir, load_or_build
 
@@ -67,16 +66,18 @@ def unavailable_reason() -> str | None:
 
 
 # ------------------------------------------------------------------ implementations of the ops
-def _rmsnorm_fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float):
+    """``RMSNormFused``'s contract: ``(norm(x), x)``, or add ``x`` into ``residual`` first."""
     if residual is None:
-        return _MODULE.rmsnorm(x, self.weight, self.eps), x
-    return _MODULE.fused_add_rmsnorm(x, residual, self.weight, self.eps), residual
+        return _MODULE.rmsnorm(x, weight, eps), x
+    return _MODULE.fused_add_rmsnorm(x, residual, weight, eps), residual
 
 
-def _rope_forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-    for x in _rotation_targets(query, key):  # q and k in one pass when they are adjacent
-        _MODULE.rope_inplace(positions, x, self._cos_sin_cache, self.head_size)
-    return query, key
+def rope(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
+         head_size: int) -> None:
+    """Rotate ``x [T, H*D]`` (q, k, or both side by side) in place."""
+    _MODULE.rope_inplace(positions, x, cos_sin_cache, head_size)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +105,7 @@ def _register_backend() -> None:
 
 
 _register_backend()
-from .binding import bind  # last: it imports the functions above
+from .binding import op_impls  # last: it imports the functions above
 
-__all__ = ["FLAGS", "LINEAR_MAX_ROWS", "KernelBuildError", "bind", "cache_dir", "load",
-           "silu_and_mul", "small_batch_linear", "unavailable_reason"]
+__all__ = ["FLAGS", "LINEAR_MAX_ROWS", "KernelBuildError", "add_rmsnorm", "cache_dir", "load",
+           "op_impls", "rope", "silu_and_mul", "small_batch_linear", "unavailable_reason"]

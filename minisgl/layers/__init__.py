@@ -5,6 +5,7 @@ from .activation import gelu_and_mul, silu_and_mul
 from .attention import AttentionLayer
 from .base import BaseOP, OPList, StateLessOP
 from .embedding import ParallelLMHead, VocabParallelEmbedding
+from .impls import TORCH_OPS, OpImpls, build_ops, current_ops
 from .linear import (
     LinearColParallelMerged,
     LinearOProj,
@@ -13,7 +14,7 @@ from .linear import (
     LinearRowParallel,
 )
 from .norm import RMSNorm, RMSNormFused
-from .rotary import RotaryEmbedding, get_rope, set_rope_device
+from .rotary import RotaryEmbedding, get_rope, get_rope_device, set_rope_device
 
 __all__ = [
     "AttentionLayer",
@@ -24,14 +25,19 @@ __all__ = [
     "LinearReplicated",
     "LinearRowParallel",
     "OPList",
+    "OpImpls",
     "ParallelLMHead",
     "RMSNorm",
     "RMSNormFused",
     "RotaryEmbedding",
     "StateLessOP",
+    "TORCH_OPS",
     "VocabParallelEmbedding",
+    "build_ops",
+    "current_ops",
     "gelu_and_mul",
     "get_rope",
+    "get_rope_device",
     "set_rope_device",
     "silu_and_mul",
 ]

@@ -17,6 +17,7 @@ from minisgl.distributed import DistributedCommunicator, get_tp_info
 from minisgl.utils import div_ceil
 
 from .base import BaseOP, StateDict
+from .impls import current_ops
 
 
 class VocabParallelEmbedding(BaseOP):
@@ -59,7 +60,7 @@ class ParallelLMHead(BaseOP):
             self.weight = torch.empty(self.num_embeddings_tp, embedding_dim)
         self.bias = torch.empty(self.num_embeddings_tp) if bias else None
         self._comm = DistributedCommunicator()
-        self._matmul = F.linear  # cpu_kernels=True: chapter 07's small-batch kernel
+        self._matmul = current_ops().matmul  # chosen when built (impls.py)
 
     def load_state_dict(self, state_dict: StateDict, *, prefix: str = "",
                         _internal: bool = False) -> None:

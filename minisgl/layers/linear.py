@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import List
 
 import torch
-import torch.nn.functional as F
 
 from minisgl.distributed import DistributedCommunicator, get_tp_info
 from minisgl.utils import div_even
 
 from .base import BaseOP
+from .impls import current_ops
 
 
 class _LinearTPImpl(BaseOP):
@@ -32,9 +32,9 @@ class _LinearTPImpl(BaseOP):
         self.local_output_size = local_osize
         self.weight = torch.empty(local_osize, local_isize)
         self.bias = torch.empty(local_osize) if has_bias else None
-        # the matmul this op runs; an Engine built with cpu_kernels=True hands it chapter 07's
-        # small-batch kernel (underscore: not a weight)
-        self._matmul = F.linear
+        # the matmul this op runs, chosen when it is built (F.linear, or chapter 07's kernel for
+        # an Engine with cpu_kernels=True); underscore: not a weight
+        self._matmul = current_ops().matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.weight, self.bias)  # [T, local_in] -> [T, local_out]

@@ -12,6 +12,7 @@ from typing import Tuple
 import torch
 
 from .base import BaseOP
+from .impls import current_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,9 +47,12 @@ class RMSNormFused(BaseOP):
     def __init__(self, size: int, eps: float) -> None:
         self.eps = eps
         self.weight = torch.empty(size)
+        self._kernel = current_ops().add_rmsnorm  # None: the code below (impls.py)
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._kernel is not None:  # a fused kernel this op was built with
+            return self._kernel(x, residual, self.weight, self.eps)
         # BEGIN SOLUTION 2.7: the first call starts the residual stream; later calls add into it
         if residual is None:
             return rms_norm(x, self.weight, self.eps), x

@@ -16,6 +16,7 @@ from typing import Any, Dict, Tuple
 import torch
 
 from .base import StateLessOP
+from .impls import current_ops
 from .rope_scaling import PostProcess, scaling_post_process
 
 
@@ -40,10 +41,15 @@ class RotaryEmbedding(StateLessOP):
         freqs = torch.outer(positions, inv_freq)  # [max_pos, D/2]
         # underscore: a table, not a weight, so it stays out of state dicts
         self._cos_sin_cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+        self._kernel = current_ops().rope  # None: the code below (impls.py)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query [T, Hq*D]`` and ``key [T, Hkv*D]`` in place; returns them."""
+        if self._kernel is not None:  # a fused kernel this op was built with
+            for x in _rotation_targets(query, key):
+                self._kernel(positions, x, self._cos_sin_cache, self.head_size)
+            return query, key
         cos_sin = self._cos_sin_cache.index_select(0, positions)  # [T, D]
         half = self.rotary_dim // 2
         cos = cos_sin[:, None, :half]  # [T, 1, D/2], broadcast over heads
@@ -81,6 +87,10 @@ def set_rope_device(device: torch.device | str) -> None:
     _ROPE_DEVICE = torch.device(device)
 
 
+def get_rope_device() -> torch.device:
+    return _ROPE_DEVICE
+
+
 def _get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
               rope_scaling: Dict[str, Any] | None) -> RotaryEmbedding:
     post_process = scaling_post_process(rope_scaling, rotary_dim, base)
@@ -91,7 +101,7 @@ def _get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
 @functools.cache
 def _cached_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
                  rope_scaling: Tuple[Tuple[str, Any], ...] | None,
-                 device: torch.device) -> RotaryEmbedding:
+                 device: torch.device, kernel: Any) -> RotaryEmbedding:
     return _get_rope(head_dim, rotary_dim, max_position, base,
                      dict(rope_scaling) if rope_scaling is not None else None)
 
@@ -99,8 +109,9 @@ def _cached_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
 def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
              rope_scaling: Tuple[Tuple[str, Any], ...] | Dict[str, Any] | None = None
              ) -> RotaryEmbedding:
-    """One shared RotaryEmbedding per distinct configuration (all layers share one table)."""
+    """One shared RotaryEmbedding per distinct configuration (all layers share one table; one
+    per implementation it is built with, too)."""
     if isinstance(rope_scaling, dict):
         rope_scaling = tuple(sorted(rope_scaling.items()))
     return _cached_rope(head_dim, rotary_dim, max_position, float(base), rope_scaling,
-                        _ROPE_DEVICE)
+                        _ROPE_DEVICE, current_ops().rope)

@@ -21,6 +21,7 @@ from minisgl.layers import (
     silu_and_mul,
 )
 from minisgl.layers.base import BaseOP
+from minisgl.layers.impls import current_ops
 
 from .config import ModelConfig
 
@@ -35,7 +36,8 @@ class GatedMLP(BaseOP):
         self.gate_up_proj = LinearColParallelMerged(
             config.hidden_size, [config.intermediate_size, config.intermediate_size],
             has_bias=False)
-        self._act_fn = _ACTIVATIONS[config.hidden_act]
+        fused = current_ops().silu_and_mul if config.hidden_act == "silu" else None
+        self._act_fn = fused or _ACTIVATIONS[config.hidden_act]  # fused: chosen when built
         self.down_proj = LinearRowParallel(config.intermediate_size, config.hidden_size,
                                            has_bias=False)
 

@@ -93,18 +93,18 @@ CASES = [
             else:
                 logits = self.model.forward()
 """),)),
-    # 6.6: determine_num_pages
-    ("6.6", "minisgl/engine/memory.py",
+    # 6.6: Engine.pages_that_fit
+    ("6.6", "minisgl/engine/engine.py",
      "the weights not subtracted from the budget",
      ((_BUDGET, "budget = config.memory_ratio * free"),)),
-    ("6.6", "minisgl/engine/memory.py",
+    ("6.6", "minisgl/engine/engine.py",
      "memory_ratio applied to what the weights leave",
      ((_BUDGET, "budget = config.memory_ratio * (free - model_bytes)"),)),
-    ("6.6", "minisgl/engine/memory.py",
+    ("6.6", "minisgl/engine/engine.py",
      "no cap: more pages than the requests could ever fill",
      (("num_pages = min(int(budget // per_page), useful)",
        "num_pages = int(budget // per_page)"),)),
-    ("6.6", "minisgl/engine/memory.py",
+    ("6.6", "minisgl/engine/engine.py",
      "the cap rounded down",
      (("useful = -(-config.max_running_req * config.max_seq_len // config.page_size)  # ceil",
        "useful = config.max_running_req * config.max_seq_len // config.page_size"),)),

@@ -1,4 +1,4 @@
-# Chapter 06 (06_engine_and_sampler.ipynb, optional tp section): the ranks' process group.
+# Chapter 06 (06_engine_and_sampler.ipynb, optional tp section): the tp ranks' process group.
 """With ``tp_info.size > 1`` every rank's Engine joins one process group before it builds
 anything: rank 0 opens the rendezvous store on a socket it bound to 127.0.0.1 itself (a
 ``TCPStore`` would otherwise listen on every interface), the other ranks connect to it, and
@@ -39,9 +39,10 @@ def _loopback_interface() -> str:
     return next((n for n in names if n in ("lo", "lo0")), "lo")
 
 
-def join_process_group(engine, config, device: torch.device):
-    """Join the group of the ``size`` ranks (one Engine per process); returns the group that
-    carries CPU tensors (gloo). ``engine._owns["dist"]``: its ``shutdown()`` destroys it."""
+def join_process_group(tp_info, addr: str, timeout_s: float, device: torch.device):
+    """Join the group of the ``tp_info.size`` ranks (one Engine per process) at ``addr``; returns
+    the group that carries CPU tensors (gloo). Whoever joined destroys it
+    (``torch.distributed.destroy_process_group()``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -51,11 +52,11 @@ def join_process_group(engine, config, device: torch.device):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    host, port = loopback_host_port(config.distributed_addr)
+    host, port = loopback_host_port(addr)
     os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = _loopback_interface()
-    timeout = datetime.timedelta(seconds=config.distributed_timeout)
-    size = config.tp_info.size
-    if config.tp_info.rank == 0:  # the store listens on 127.0.0.1, never on every interface
+    timeout = datetime.timedelta(seconds=timeout_s)
+    size = tp_info.size
+    if tp_info.rank == 0:  # the store listens on 127.0.0.1, never on every interface
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -70,7 +71,6 @@ def join_process_group(engine, config, device: torch.device):
                               master_listen_fd=listener.detach())  # the store owns it now
     else:
         store = dist.TCPStore(host, port, size, False, timeout)
-    dist.init_process_group(backend, store=store, rank=config.tp_info.rank, world_size=size,
+    dist.init_process_group(backend, store=store, rank=tp_info.rank, world_size=size,
                             timeout=timeout)
-    engine._owns["dist"] = True
     return dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
