@@ -118,7 +118,11 @@ def _filled_batch(engine, reqs, phase="prefill", skip=()):
     if "fields" not in skip:
         batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs]).int()
         batch.input_ids = torch.cat([r.input_ids[r.cached_len:r.device_len] for r in reqs])
-        batch.out_loc = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs]).int()
+        rows = engine.page_table.shape[0]  # each request's own slots, where its row exists
+        batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len:r.device_len]
+                                   if 0 <= r.table_idx < rows and r.device_len <= 32
+                                   else torch.arange(r.cached_len, r.device_len)
+                                   for r in reqs]).int()
     if "metadata" not in skip and "fields" not in skip and "pad" not in skip:
         engine.attn_backend.prepare_metadata(batch)
     return batch
@@ -567,11 +571,11 @@ def case_tp_engine_still_live(tmp_path, engine):
     from minisgl.distributed import DistributedInfo
 
     live = engine()
-    live._owns["dist"] = True  # as if it were a tp rank holding its process group
+    live.tp_cpu_group = object()  # as if it were a tp rank holding its process group
     try:
         _engine(tp_info=DistributedInfo(0, 2))
     finally:
-        live._owns["dist"] = False
+        live.tp_cpu_group = None
 
 
 def case_dist_addr_not_loopback(tmp_path, engine):
