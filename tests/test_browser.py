@@ -99,7 +99,7 @@ def _chapters() -> set[str] | None:
     for x in parts:
         if not (x.isascii() and x.isdigit() and int(x) <= 99):
             raise env_error("MINISGL_BROWSER_NOTEBOOKS", os.environ["MINISGL_BROWSER_NOTEBOOKS"],
-                            f"names {x!r}, not a chapter number",
+                            f"is not an accepted value ({x!r} is not a chapter number)",
                             "chapter numbers separated by commas, e.g. 01,04")
     return {f"{int(x):02d}" for x in parts}
 

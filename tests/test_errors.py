@@ -716,6 +716,12 @@ def case_checkpoint_key_in_two_shards(tmp_path, engine):
     _engine(model_path=str(folder))
 
 
+def case_max_tokens_zero(tmp_path, engine):
+    from minisgl.core import SamplingParams
+
+    SamplingParams(max_tokens=0)
+
+
 def case_sampling_param_not_bool(tmp_path, engine):
     from minisgl.core import SamplingParams
 

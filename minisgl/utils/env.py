@@ -61,8 +61,7 @@ def read_env(name: str, kind: type = str, default: Any = None, *, low: Any = Non
         try:
             number = int(value) if kind is int else float(value)
         except ValueError:
-            problem = "is not a whole number" if kind is int else "is not a number"
-            raise env_error(name, raw, problem, accepted) from None
+            raise env_error(name, raw, "is not a number", accepted) from None
         if not math.isfinite(number):
             raise env_error(name, raw, "is not a finite number", accepted)
         if (low is not None and number < low) or (high is not None and number > high):
