@@ -463,6 +463,10 @@ def case_max_seq_len_beyond_model(tmp_path, engine):
     _engine(max_seq_len_override=10**6)
 
 
+def case_req_field_not_integer(tmp_path, engine):
+    _req(table_idx=None)
+
+
 def case_output_len_zero(tmp_path, engine):
     _req(output_len=0)
 
