@@ -45,12 +45,14 @@ from pathlib import Path
 
 import pytest
 
+from minisgl.utils.env import env_error, read_env
+
 ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOTS = ROOT / "tests" / "screenshots"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-NB_TIMEOUT = float(os.environ.get("MINISGL_BROWSER_TIMEOUT", "600"))  # on an unloaded machine
+NB_TIMEOUT = read_env("MINISGL_BROWSER_TIMEOUT", float, 600.0, low=1, high=86400)  # unloaded
 MAX_STRETCH = 4.0  # a busy machine stretches the limit at most this much
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 # What JupyterLab shows instead of a widget when its front end is missing or broken.
@@ -90,10 +92,16 @@ def _why_not_runnable() -> str | None:
 
 
 def _chapters() -> set[str] | None:
-    raw = os.environ.get("MINISGL_BROWSER_NOTEBOOKS", "").strip()
+    raw = read_env("MINISGL_BROWSER_NOTEBOOKS", str, "")
     if not raw:
         return None
-    return {f"{int(x):02d}" for x in re.split(r"[,\s]+", raw) if x}
+    parts = [x for x in re.split(r"[,\s]+", raw) if x]
+    for x in parts:
+        if not (x.isascii() and x.isdigit() and int(x) <= 99):
+            raise env_error("MINISGL_BROWSER_NOTEBOOKS", os.environ["MINISGL_BROWSER_NOTEBOOKS"],
+                            f"is not an accepted value ({x!r} is not a chapter number)",
+                            "chapter numbers separated by commas, e.g. 01,04")
+    return {f"{int(x):02d}" for x in parts}
 
 
 def _notebooks(folder: str) -> list[str]:
