@@ -311,3 +311,26 @@ def test_tools_under_a_python_without_the_packages_point_at_the_venv(tmp_path, a
     assert res.returncode == 2, out
     assert f"`.venv/bin/python tools/workbook.py {' '.join(args)}`" in out, out
     assert snapshot(repo) == before
+
+
+def test_the_first_cell_checks_the_earlier_chapters_it_uses(repo):
+    """A wrong 4.3 (batch_row_map by batch position) in the learner's package: chapter 05's first
+    cell names Exercise 4.3 before any chapter 05 check can blame a correct 5.3."""
+    tool(repo, "workspace")
+    ws = repo / "workspace"
+    table = ws / "minisgl" / "kvcache" / "page_table.py"
+    text = table.read_text()
+    right = "rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)"
+    assert right in text
+    table.write_text(text.replace(right, "rows = torch.arange(len(reqs), dtype=torch.int64)"))
+    code = ("import sys, pathlib; sys.path.insert(0, str(pathlib.Path.cwd().parent))\n"
+            "from tools.nbtools import guard\nguard('05')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MINISGL_PACKAGE_TREE",)}
+    res = subprocess.run([PY, "-c", code], cwd=ws / "notebooks", env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert res.returncode != 0 and "Exercise 4.3" in res.stderr, res.stderr[-3000:]
+    assert "make reset CH=04" in res.stderr, res.stderr[-3000:]
+    table.write_text(text)
+    res = subprocess.run([PY, "-c", code], cwd=ws / "notebooks", env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]

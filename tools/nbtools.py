@@ -16,6 +16,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -229,8 +230,55 @@ def guard(chapter: str, *, root: Path | None = None, cwd: Path | None = None) ->
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
     _set_aside_broken(tree, versions, root)
     if tree != root:
+        check_earlier_chapters(nn, root)
         print(f"guard: this notebook's cells write your package, {tree.name}/minisgl/; each "
               f"version a cell replaces is kept in {tree.name}/.history/.")
+
+
+def earlier_chapters(nn: str, root: Path) -> list[str]:
+    """The chapters whose modules chapter NN uses: those its tests `require(...)` (every
+    chapter before it for the Engine and the milestone), in order."""
+    files = sorted((root / "tests").glob(f"test_ch{nn}_*.py"))
+    text = files[0].read_text(encoding="utf-8") if files else ""
+    if re.search(r"require\(\*", text):  # require(*EARLIER...): all chapters 01.. before NN
+        return [f"{n:02d}" for n in range(1, int(nn))
+                if any((root / "tests").glob(f"test_ch{n:02d}_*.py"))]
+    found = re.search(r"require\(([^)]*)\)", text)
+    return re.findall(r"\d\d", found[1]) if found else []
+
+
+class EarlierChapterError(Exception):
+    """An earlier chapter's module, which this chapter uses, fails that chapter's checks."""
+
+
+def check_earlier_chapters(nn: str, root: Path) -> None:
+    """Run the quick checks (tests/test_chMM_*.py's quick_check) of the chapters chapter NN
+    uses, on this notebook's package; stop at the first that fails, naming its exercise."""
+    tests = str(root / "tests")
+    added = tests not in sys.path
+    if added:
+        sys.path.append(tests)
+    try:
+        import prereq
+
+        for mm in earlier_chapters(nn, root):
+            try:
+                prereq._load_test_module(mm).quick_check()
+            except Exception as exc:  # noqa: BLE001 - any failure means that chapter is broken
+                found = re.search(r"Exercise \d+\.\d+", str(exc))
+                where = found[0] if found else f"chapter {mm}'s exercises"
+                name = next((p.name for p in (root / "notebooks").glob(f"{mm}_*.ipynb")), mm)
+                raise EarlierChapterError(
+                    f"this chapter uses chapter {mm}'s modules, and they fail chapter {mm}'s own "
+                    f"checks: {type(exc).__name__}: {exc}\nLook at {where} in notebooks/{name} of "
+                    f"your workspace, run its cell again, then this cell; or go on with the "
+                    f"reference for now: `make reset CH={mm}` (it keeps your version in "
+                    ".history/).") from None
+            finally:
+                reload_minisgl()
+    finally:
+        if added:
+            sys.path.remove(tests)
 
 
 def reload_minisgl() -> None:
