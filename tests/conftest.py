@@ -23,7 +23,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TESTS = pathlib.Path(__file__).resolve().parent
 # The package under test: the repository's minisgl/ (the reference), or the learner's own when a
 # notebook of workspace/ runs its chapter's tests (tools/nbtools.py sets MINISGL_PACKAGE_TREE).
-PACKAGE_TREE = pathlib.Path(os.environ.get("MINISGL_PACKAGE_TREE") or ROOT).resolve()
+sys.path.insert(0, str(ROOT))
+from tools.workbook import env_folder  # noqa: E402 - the tools' reader of MINISGL_* variables
+
+PACKAGE_TREE = env_folder("MINISGL_PACKAGE_TREE", "minisgl") or ROOT.resolve()
 for p in (str(ROOT), str(TESTS), str(PACKAGE_TREE)):
     if p in sys.path:
         sys.path.remove(p)

@@ -213,7 +213,7 @@ def guard(chapter: str, *, root: Path | None = None, cwd: Path | None = None) ->
     cwd = (Path(cwd) if cwd else Path.cwd()).resolve()
     nn = wb.chapter_id(chapter)
     root, tree = (Path(root) if root else repo_root()).resolve(), notebook_tree(cwd)
-    if cwd == root / "notebooks" and os.environ.get(TEST_ENV) != "1":
+    if cwd == root / "notebooks" and not wb.env_flag(TEST_ENV):
         name = next((p.name for p in (root / "notebooks").glob(f"{nn}_*.ipynb")), f"{nn}_*.ipynb")
         raise wb.WorkbookError(
             f"this is notebooks/{name}, the generated copy the tests run; your own copy is "
@@ -328,7 +328,7 @@ def run_chapter_tests(chapter: str, *extra_args: str, root: Path | None = None,
     files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").glob(pattern[6:]))
     if not files:
         raise FileNotFoundError(f"no test file matches {pattern} in {root}")
-    if os.environ.get(SKIP_ENV) == "1":  # the full test suite runs these files itself
+    if wb.env_flag(SKIP_ENV):  # the full test suite runs these files itself
         print(f"chapter {nn}: tests not re-run here ({SKIP_ENV}=1: `make test` runs "
               f"{', '.join(files)} in its own step)")
         return

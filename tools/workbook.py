@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import posixpath
 import re
 import shlex
@@ -58,6 +59,29 @@ PART = re.compile(r"^# --- part (\d+): (\S.*?) ---[ \t]*$")
 
 class WorkbookError(Exception):
     """A user-facing error: the CLI prints it and exits with code 2."""
+
+
+# The tools' MINISGL_* variables. They run before set-up, when minisgl.utils' reader (the one the
+# package uses) may not import, so they have this small equivalent: the same rules, the same
+# kind of message (the variable, its value, what it accepts).
+def env_flag(name: str) -> bool:
+    """A MINISGL_* switch: unset, "" or "0" is off, "1" is on; anything else is refused."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise WorkbookError(f"{name}={value!r}: use 1 (on) or 0 (off), or unset it")
+    return value == "1"
+
+
+def env_folder(name: str, must_hold: str) -> Path | None:
+    """A MINISGL_* folder: None when unset; refused unless it is a folder holding `must_hold`."""
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not (path / must_hold).is_dir():
+        raise WorkbookError(f"{name}={value!r}: not a folder holding {must_hold}/; give one "
+                            f"(for example the workbook's workspace/), or unset it")
+    return path.resolve()
 
 
 @dataclass
