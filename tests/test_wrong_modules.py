@@ -293,18 +293,60 @@ CELLS_TIMEOUT_S = 1500  # one notebook run plus the re-runs of each case's cells
 EXERCISE_MARKER = re.compile(r"#\s*BEGIN SOLUTION\s+(\d+\.\d+)\b")
 
 
-def load_cases(chapter: str) -> list[dict]:
-    path = ROOT / "tests" / "wrong_cells" / f"ch{chapter}.py"
-    if not path.exists():
-        pytest.fail(f"{path.relative_to(ROOT)} is missing: list there at least two plausible "
-                    f"wrong versions of each exercise of chapter {chapter}", pytrace=False)
-    spec = importlib.util.spec_from_file_location(f"wrong_cells_ch{chapter}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+# The wrong versions: tests/wrong_cells/chNN.py (text edits, written with the checks in view) and
+# the blind sets tests/wrong_cells/blind_*/chNN.json, written by people who had read only the
+# chapter's prose and its module cells (never its checks, its tests or these files). A blind
+# entry replaces a whole exercise region: {"exercise", "class", "description", "wrong_region"}.
+# WRONG_CELLS_SETS=listed,blind_a (comma-separated) runs only those sets (default: all).
+BLIND_SETS = sorted(p.name for p in (ROOT / "tests" / "wrong_cells").glob("blind_*") if p.is_dir())
+
+
+def solution_regions(chapter: str) -> dict[str, str]:
+    """Exercise number -> the text strictly between its markers in chapter NN's solution."""
+    nb = json.loads(next((ROOT / "solutions").glob(f"{chapter}_*.ipynb")).read_text())
+    regions, current = {}, None
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code" or not "".join(cell["source"]).startswith("%%writefile"):
+            continue
+        for line in "".join(cell["source"]).splitlines(keepends=True):
+            m = EXERCISE_MARKER.search(line)
+            if m:
+                current, regions[m[1]] = m[1], ""
+            elif "# END SOLUTION" in line:
+                current = None
+            elif current:
+                regions[current] += line
+    return regions
+
+
+def load_cases(chapter: str, sets: list[str] | None = None) -> list[dict]:
+    if sets is None:
+        chosen = os.environ.get("WRONG_CELLS_SETS")
+        sets = chosen.split(",") if chosen else ["listed", *BLIND_SETS]
     cases = []
-    for n, (exercise, module_path, bug, edits) in enumerate(module.CASES):
-        cases.append({"id": f"{exercise}#{n} {bug.split(':')[0]}", "exercise": exercise,
-                      "module": module_path, "bug": bug, "edits": [list(e) for e in edits]})
+    path = ROOT / "tests" / "wrong_cells" / f"ch{chapter}.py"
+    if "listed" in sets:
+        if not path.exists():
+            pytest.fail(f"{path.relative_to(ROOT)} is missing: list there at least three plausible "
+                        f"wrong versions of each exercise of chapter {chapter}", pytrace=False)
+        spec = importlib.util.spec_from_file_location(f"wrong_cells_ch{chapter}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for n, (exercise, module_path, bug, edits) in enumerate(module.CASES):
+            cases.append({"id": f"{exercise}#{n} {bug.split(':')[0]}", "exercise": exercise,
+                          "module": module_path, "bug": bug, "edits": [list(e) for e in edits]})
+    blind = [s for s in sets if s.startswith("blind_")]
+    if blind:
+        exercises, regions = chapter_exercises(chapter), solution_regions(chapter)
+    for name in blind:
+        path = ROOT / "tests" / "wrong_cells" / name / f"ch{chapter}.json"
+        for n, entry in enumerate(json.loads(path.read_text()) if path.exists() else []):
+            ex = entry["exercise"]
+            label = re.sub(r"[^\w ,.+-]", "", entry["class"])[:60]
+            cases.append({"id": f"{ex}#{name}-{n} {label}", "exercise": ex, "set": name,
+                          "module": exercises.get(ex, "?"), "bug": entry["description"],
+                          "edits": [[regions.get(ex, "<no such exercise>"),
+                                     entry["wrong_region"]]]})
     return cases
 
 
@@ -326,9 +368,9 @@ def test_notebook_checks_catch_wrong_exercises(chapter, repo_files, tmp_path):
     cases = load_cases(chapter)
     exercises = chapter_exercises(chapter)
     counts = {ex: sum(c["exercise"] == ex for c in cases) for ex in exercises}
-    too_few = {ex: n for ex, n in counts.items() if n < 2}
-    assert not too_few, (
-        f"tests/wrong_cells/ch{chapter}.py: every exercise needs at least two wrong versions; "
+    too_few = {ex: n for ex, n in counts.items() if n < 3}
+    assert os.environ.get("WRONG_CELLS_SETS") or not too_few, (
+        f"tests/wrong_cells/: every exercise needs at least three wrong versions; "
         f"these have fewer: {too_few}")
     unknown = sorted({c["exercise"] for c in cases} - set(exercises))
     assert not unknown, f"tests/wrong_cells/ch{chapter}.py names exercises that do not exist: {unknown}"
@@ -356,25 +398,39 @@ def test_notebook_checks_catch_wrong_exercises(chapter, repo_files, tmp_path):
         pytest.fail(f"chapter {chapter}'s notebook with its wrong versions did not finish within "
                     f"{CELLS_TIMEOUT_S} s:\n{(e.stdout or b'')[-3000:]!r}", pytrace=False)
     print(f"chapter {chapter}: {len(cases)} wrong versions in {time.perf_counter() - start:.0f} s")
+    RATES_FILE = os.environ.get("WRONG_CELLS_RATES")  # where to append caught-and-named rates
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and result.exists(), (
         f"the runner failed (exit {proc.returncode}):\n{output[-4000:]}")
     report = json.loads(result.read_text())
-    problems = []
+    problems, missed = [], set()
     if report["baseline_error"]:
         problems.append(f"the reference notebook itself failed: {report['baseline_error']}")
     for c in cases:
         r = report["results"].get(c["id"])
         ex = f"Exercise {c['exercise']}"
         if r is None:
+            missed.add(c['id'])
             problems.append(f"{c['id']}: never ran (the notebook stopped before its build cell)")
         elif "problem" in r:
+            missed.add(c['id'])
             problems.append(f"{c['id']}: {r['problem']}")
         elif r["failed_cell"] is None:
+            missed.add(c['id'])
             problems.append(f"{c['id']} ({c['bug']}): every check cell after the build cell of "
                             f"{c['module']} PASSES this wrong {ex}")
         elif not r["cell_mentions"] or ex not in r["error"]:
+            missed.add(c['id'])
             problems.append(f"{c['id']} ({c['bug']}): the first failing cell, {r['failed_cell']}, "
                             f"does not name {ex}; the learner sees: {r['error'][:1500]}")
+    if RATES_FILE:
+        by_set: dict[str, list[int]] = {}
+        for c in cases:
+            tally = by_set.setdefault(c.get("set", "listed"), [0, 0])
+            tally[0] += c["id"] not in missed
+            tally[1] += 1
+        with open(RATES_FILE, "a") as f:
+            for name, (ok, total) in sorted(by_set.items()):
+                f.write(f"ch{chapter} {name}: {ok}/{total} caught and named\n")
     assert not problems, (f"chapter {chapter}'s check cells miss wrong exercises:\n- "
                           + "\n- ".join(problems))

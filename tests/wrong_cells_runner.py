@@ -55,20 +55,22 @@ def main(plan_path: str, result_path: str) -> int:
     def describe(err: BaseException) -> str:
         return "".join(traceback.format_exception_only(type(err), err)).strip()
 
-    by_target = {}  # build cell's target -> position in `cells`
+    by_target = {}  # build cell's target -> positions in `cells` (a module may have several)
     for pos, (_, src) in enumerate(cells):
         first = src.split("\n", 1)[0].split()
         if first[:1] == ["%%writefile"] and len(first) >= 2:
             target = first[-1]
             rel = target[3:] if target.startswith("../") else target
-            by_target[rel] = pos
+            by_target.setdefault(rel, []).append(pos)
     results = {}
     todo = {}  # position of the build cell -> cases
     for case in plan["cases"]:
         if case["module"] not in by_target:
             results[case["id"]] = {"problem": f"no %%writefile cell writes {case['module']}"}
             continue
-        todo.setdefault(by_target[case["module"]], []).append(case)
+        old = case["edits"][0][0] if case["edits"] else ""
+        where = [p for p in by_target[case["module"]] if old in cells[p][1]]
+        todo.setdefault(where[0] if where else by_target[case["module"]][0], []).append(case)
 
     def last_mention(pos: int, exercise: str) -> int | None:
         found = None
