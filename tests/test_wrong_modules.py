@@ -346,8 +346,21 @@ def load_cases(chapter: str, sets: list[str] | None = None) -> list[dict]:
             cases.append({"id": f"{ex}#{name}-{n} {label}", "exercise": ex, "set": name,
                           "module": exercises.get(ex, "?"), "bug": entry["description"],
                           "edits": [[regions.get(ex, "<no such exercise>"),
-                                     entry["wrong_region"]]]})
+                                     _reindent(entry["wrong_region"], regions.get(ex, ""))]]})
     return cases
+
+
+def _reindent(wrong: str, like: str) -> str:
+    """``wrong`` shifted to the indentation of the region it replaces (a blind set written when
+    the region sat in a function may now replace one inside a method)."""
+    def indent(text: str) -> int:
+        first = next((ln for ln in text.splitlines() if ln.strip()), "")
+        return len(first) - len(first.lstrip())
+
+    shift = indent(like) - indent(wrong)
+    if shift <= 0:
+        return wrong
+    return "".join(" " * shift + ln if ln.strip() else ln for ln in wrong.splitlines(True))
 
 
 def chapter_exercises(chapter: str) -> dict[str, str]:
