@@ -384,6 +384,38 @@ def _kv_heads_of_rank(r, tp, hq, hkv):
     return list(range(first // group, last // group + 1))
 
 
+@pytest.mark.parametrize("sizes,tp", [([6, 2], 4), ([6, 6], 4), ([2, 2], 4), ([8, 12], 8)])
+def test_merged_column_parallel_refuses_uneven_components(sizes, tp):
+    """Each component is split on its own: one that tp does not divide is refused, even when
+    the total divides, and a component is never replicated."""
+    with torch.device("meta"):
+        try:
+            layer = build(0, tp, lambda: LinearColParallelMerged(16, sizes, has_bias=False))
+        except ValueError:
+            return
+    bad = next(n for n in sizes if n % tp)
+    pytest.fail(f"Exercise 2.3 (merged column-parallel): output_sizes={sizes} at tp={tp} should "
+                f"raise ValueError ({bad} rows cannot be split evenly over {tp} ranks), but it "
+                f"built {layer.weight.shape[0]} local rows: use div_even(size, tp) for each "
+                "component", pytrace=False)
+
+
+@pytest.mark.parametrize("hq,hkv,tp", [(8, 2, 16), (4, 4, 8), (12, 3, 2), (24, 3, 4), (6, 2, 4)])
+def test_qkv_parallel_refuses_uneven_heads(hq, hkv, tp):
+    """Query heads are never replicated; KV heads split evenly, or are replicated evenly."""
+    with torch.device("meta"):
+        try:
+            layer = build(0, tp, lambda: LinearQKVMerged(16, 2, hq, hkv, has_bias=False))
+        except ValueError:
+            return
+    why = (f"{hq} query heads cannot be split over {tp} ranks (query heads are never "
+           "replicated)" if hq % tp else f"{hkv} KV heads cannot be split or replicated evenly "
+           f"over {tp} ranks")
+    pytest.fail(f"Exercise 2.4 (QKV local heads): Hq={hq}, Hkv={hkv}, tp={tp} should raise "
+                f"ValueError: {why}; it built a [{layer.weight.shape[0]}, 16] weight. Use "
+                "div_even, with allow_replicate=True for the KV heads only", pytrace=False)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("hkv", [4, 2, 1])
 def test_qkv_parallel_splits_by_heads(tp, hkv, monkeypatch):
@@ -779,7 +811,10 @@ def test_attention_layer_norms_rotates_and_calls_backend(qk_norm, hkv):
     with active(batch, backend):
         out = layer.forward(qkv)
     got = backend.got
-    assert got["layer_id"] == 3 and got["batch"] is batch, "pass layer_id and ctx.batch on"
+    assert got["layer_id"] == 3, (
+        f"Exercise 2.9 (AttentionLayer): layer 3 passed layer_id={got['layer_id']} to the "
+        "backend; pass self.layer_id, so that each layer uses its own part of the KV cache")
+    assert got["batch"] is batch, "Exercise 2.9 (AttentionLayer): pass ctx.batch to the backend"
     assert got["q"].shape == (T, hq, D), (
         f"Exercise 2.9 (AttentionLayer): the backend gets q as [T, Hq, D] = {(T, hq, D)}, got "
         f"{tuple(got['q'].shape)}")
