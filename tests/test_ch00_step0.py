@@ -47,15 +47,16 @@ def reference_attention(q, k, v):
 # ----------------------------------------------------------------------------- the pieces
 
 
-@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 32)])
-def test_rms_norm_matches_hf(shape):
+@pytest.mark.parametrize("shape,eps", [((5, 64), 1e-6), ((3, 4, 32), 1e-6), ((4, 16), 0.5)])
+def test_rms_norm_matches_hf(shape, eps):
+    """A large eps too: where eps goes (inside the root, added to the mean) shows only then."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    ref = LlamaRMSNorm(shape[-1], eps=1e-6)
+    ref = LlamaRMSNorm(shape[-1], eps=eps)
     with torch.no_grad():
         ref.weight.copy_(torch.rand(shape[-1], generator=torch.Generator().manual_seed(1)) + 0.5)
         x = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(2))
-        got, want = step0.rms_norm(x, ref.weight, 1e-6), ref(x)
+        got, want = step0.rms_norm(x, ref.weight, eps), ref(x)
     assert got.shape == want.shape, (
         f"Exercise 0.1 (rms_norm): output shape {tuple(got.shape)}, expected {tuple(want.shape)}; "
         "take the mean over the last dim with keepdim=True")
