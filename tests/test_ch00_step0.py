@@ -109,25 +109,6 @@ def forward(model, ids, pos, kv):
             "len(kv) == i)") from e
 
 
-def test_causal_mask_hides_the_future():
-    """Changing token 7 of a 10-token prefill must leave the logits at positions 0..6 alone."""
-    model = load("tiny-llama")
-    ids = fixed_ids(10, seed=3)
-    changed = ids.clone()
-    changed[7] = (ids[7] + 1234) % 49152
-    with torch.no_grad():
-        a = forward(model, ids, torch.arange(10), [])
-        b = forward(model, changed, torch.arange(10), [])
-    for t in range(7):
-        torch.testing.assert_close(b[t], a[t], atol=1e-5, rtol=1e-5, msg=lambda m, t=t: (
-            f"Exercise 0.2 (attention): the logits at position {t} changed when only token 7 "
-            f"changed, so token {t} sees the future; mask the scores above the diagonal with "
-            f"-inf.\n" + m))
-    assert not torch.allclose(a[7:], b[7:]), (
-        "the logits at positions 7..9 did not change when token 7 changed: attention ignores "
-        "the keys (Exercise 0.2) or forward does not use the new token")
-
-
 def test_forward_grows_the_cache():
     """7 tokens in three calls sharing kv (4, 2 at once, 1) give the logits of one call."""
     model, ids = load("tiny-llama"), fixed_ids(7, seed=4)
@@ -147,6 +128,25 @@ def test_forward_grows_the_cache():
         "Exercise 0.4 (the KV cache): three calls sharing kv disagree with one call over all "
         "tokens; the new rows go last (torch.cat([kv[i][0], k])), where attention expects "
         "them.\n" + m))
+
+
+def test_causal_mask_hides_the_future():
+    """Changing token 7 of a 10-token prefill must leave the logits at positions 0..6 alone."""
+    model = load("tiny-llama")
+    ids = fixed_ids(10, seed=3)
+    changed = ids.clone()
+    changed[7] = (ids[7] + 1234) % 49152
+    with torch.no_grad():
+        a = forward(model, ids, torch.arange(10), [])
+        b = forward(model, changed, torch.arange(10), [])
+    for t in range(7):
+        torch.testing.assert_close(b[t], a[t], atol=1e-5, rtol=1e-5, msg=lambda m, t=t: (
+            f"Exercise 0.2 (attention): the logits at position {t} changed when only token 7 "
+            f"changed, so token {t} sees the future; mask the scores above the diagonal with "
+            f"-inf.\n" + m))
+    assert not torch.allclose(a[7:], b[7:]), (
+        "the logits at positions 7..9 did not change when token 7 changed: attention ignores "
+        "the keys (Exercise 0.2) or forward does not use the new token")
 
 
 # ----------------------------------------------------------------------------- whole models
