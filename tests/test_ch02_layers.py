@@ -331,6 +331,11 @@ def test_linear_layers_match_torch_at_tp1():
     torch.testing.assert_close(single(lambda: LinearRowParallel(12, 8, True),
                                       {"weight": w, "bias": b}, x), F.linear(x, w, b))
     gu = randn(2 * 6, 12, seed=4)
+    shape = tuple(build(0, 1, lambda: LinearColParallelMerged(12, [6, 6], False)).weight.shape)
+    assert shape == (12, 12), (
+        f"Exercise 2.3 (merged column-parallel): output_sizes=[6, 6] at tp = 1 should give a "
+        f"[12, 12] weight (6 gate rows + 6 up rows), got {list(shape)}: add every component's "
+        "share, div_even(size, tp) for each")
     got = single(lambda: LinearColParallelMerged(12, [6, 6], False), {"weight": gu}, x)
     torch.testing.assert_close(got, F.linear(x, gu), msg=lambda m: (
         "Exercise 2.3 (merged column-parallel): at tp = 1 the layer is the whole [12, 12] "
@@ -449,7 +454,13 @@ def test_qkv_parallel_splits_by_heads(tp, hkv, monkeypatch):
         return LinearQKVMerged(hidden, D, hq, hkv, has_bias=True)
 
     local_kv = len(_kv_heads_of_rank(0, tp, hq, hkv))
-    layer = build(0, tp, make)
+    try:
+        layer = build(0, tp, make)
+    except ValueError as e:
+        pytest.fail(f"Exercise 2.4 (QKV local heads): Hq={hq}, Hkv={hkv}, tp={tp} was refused "
+                    f"({e})" + (": with more ranks than KV heads each rank keeps one whole KV "
+                                "head (div_even(num_kv_heads, tp, allow_replicate=True))"
+                                if hkv < tp else ""), pytrace=False)
     want_rows = (hq // tp + 2 * local_kv) * D
     assert layer.weight.shape == (want_rows, hidden), (
         f"Exercise 2.4 (QKV local heads): Hq={hq}, Hkv={hkv}, tp={tp}: each rank holds "
