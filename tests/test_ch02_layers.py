@@ -832,8 +832,13 @@ def test_attention_layer_norms_rotates_and_calls_backend(qk_norm, hkv):
     batch = make_batch([T], "prefill")
     batch.positions = torch.tensor([5, 900, 4000, 17, 2048, 333], dtype=torch.int32)
     backend = RecordingBackend()
-    with active(batch, backend):
-        out = layer.forward(qkv)
+    try:
+        with active(batch, backend):
+            out = layer.forward(qkv)
+    except Exception as e:  # noqa: BLE001 (the learner's error, reported with the exercise)
+        pytest.fail(f"Exercise 2.9 (AttentionLayer): forward raised {type(e).__name__}: {e} (Hq="
+                    f"{hq}, Hkv={hkv}); split qkv by [Hq*D, Hkv*D, Hkv*D] (self.qo_attn_dim, "
+                    "self.kv_attn_dim), not in three equal parts", pytrace=False)
     got = backend.got
     assert got["layer_id"] == 3, (
         f"Exercise 2.9 (AttentionLayer): layer 3 passed layer_id={got['layer_id']} to the "
