@@ -8,6 +8,7 @@ per-query torch loops for attention. Exercises: 0.1 rms_norm, 0.2 attention, 0.3
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -46,21 +47,37 @@ def reference_attention(q, k, v):
 # ----------------------------------------------------------------------------- the pieces
 
 
-@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 32)])
-def test_rms_norm_matches_hf(shape):
+@pytest.mark.parametrize("shape,eps", [((5, 64), 1e-6), ((3, 4, 32), 1e-6), ((4, 16), 0.5)])
+def test_rms_norm_matches_hf(shape, eps):
+    """A large eps too: where eps goes (inside the root, added to the mean) shows only then."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    ref = LlamaRMSNorm(shape[-1], eps=1e-6)
+    ref = LlamaRMSNorm(shape[-1], eps=eps)
     with torch.no_grad():
         ref.weight.copy_(torch.rand(shape[-1], generator=torch.Generator().manual_seed(1)) + 0.5)
         x = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(2))
-        got, want = step0.rms_norm(x, ref.weight, 1e-6), ref(x)
+        got, want = step0.rms_norm(x, ref.weight, eps), ref(x)
     assert got.shape == want.shape, (
         f"Exercise 0.1 (rms_norm): output shape {tuple(got.shape)}, expected {tuple(want.shape)}; "
         "take the mean over the last dim with keepdim=True")
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: (
         "Exercise 0.1 (rms_norm) differs from HF's LlamaRMSNorm: compute "
         "x * rsqrt(mean(x^2 over the last dim) + eps) in float32, then multiply by weight.\n" + m))
+
+
+def test_rms_norm_computes_in_float32():
+    """Half-precision input: the squares of big activations overflow float16 (max 65504)."""
+    g = torch.Generator().manual_seed(5)
+    x = (300 * torch.randn(4, 64, generator=g)).half()
+    w = torch.rand(64, generator=g) + 0.5
+    got = step0.rms_norm(x, w, 1e-6)
+    xd = x.double()
+    want = w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, atol=1e-4,
+                                                         rtol=1e-4), (
+        f"Exercise 0.1 (rms_norm): with float16 input of size ~300 the result ({got.dtype}) "
+        "differs from the float64 formula: convert x to float32 first (x = x.float()), then "
+        "square; 300² overflows float16")
 
 
 @pytest.mark.parametrize("T,S,Hq,Hkv", [(5, 5, 4, 2), (1, 7, 4, 2), (3, 8, 6, 3), (1, 1, 2, 1)])
@@ -79,23 +96,17 @@ def test_attention_matches_reference(T, S, Hq, Hkv):
         f"scores by 1/sqrt(D) and softmax over the keys (last dim).\n" + m))
 
 
-def test_causal_mask_hides_the_future():
-    """Changing token 7 of a 10-token prefill must leave the logits at positions 0..6 alone."""
-    model = load("tiny-llama")
-    ids = fixed_ids(10, seed=3)
-    changed = ids.clone()
-    changed[7] = (ids[7] + 1234) % 49152
-    with torch.no_grad():
-        a = step0.forward(model, ids, torch.arange(10), [])
-        b = step0.forward(model, changed, torch.arange(10), [])
-    for t in range(7):
-        torch.testing.assert_close(b[t], a[t], atol=1e-5, rtol=1e-5, msg=lambda m, t=t: (
-            f"Exercise 0.2 (attention): the logits at position {t} changed when only token 7 "
-            f"changed, so token {t} sees the future; mask the scores above the diagonal with "
-            f"-inf.\n" + m))
-    assert not torch.allclose(a[7:], b[7:]), (
-        "the logits at positions 7..9 did not change when token 7 changed: attention ignores "
-        "the keys (Exercise 0.2) or forward does not use the new token")
+def forward(model, ids, pos, kv):
+    """step0.forward; an error inside it is Exercise 0.4's (the only exercise in forward: the
+    layers it calls were tested above)."""
+    try:
+        return step0.forward(model, ids, pos, kv)
+    except Exception as e:
+        raise AssertionError(
+            f"Exercise 0.4 (the KV cache in forward): forward over {len(ids)} token(s) with "
+            f"{kv[0][0].shape[0] if kv and kv[0] else 0} cached raised {type(e).__name__}: {e}; "
+            "on the first call every layer i appends its own empty [k, v] pair (when "
+            "len(kv) == i)") from e
 
 
 def test_forward_grows_the_cache():
@@ -103,10 +114,10 @@ def test_forward_grows_the_cache():
     model, ids = load("tiny-llama"), fixed_ids(7, seed=4)
     kv: list = []
     with torch.no_grad():
-        full = step0.forward(model, ids, torch.arange(7), [])
+        full = forward(model, ids, torch.arange(7), [])
         parts = []
         for start, end in [(0, 4), (4, 6), (6, 7)]:
-            parts.append(step0.forward(model, ids[start:end], torch.arange(start, end), kv))
+            parts.append(forward(model, ids[start:end], torch.arange(start, end), kv))
             rows = [(k.shape[0], v.shape[0]) for k, v in kv]
             assert rows == [(end, end)] * model.num_layers, (
                 f"Exercise 0.4 (the KV cache): after tokens 0..{end - 1} each of the "
@@ -117,6 +128,25 @@ def test_forward_grows_the_cache():
         "Exercise 0.4 (the KV cache): three calls sharing kv disagree with one call over all "
         "tokens; the new rows go last (torch.cat([kv[i][0], k])), where attention expects "
         "them.\n" + m))
+
+
+def test_causal_mask_hides_the_future():
+    """Changing token 7 of a 10-token prefill must leave the logits at positions 0..6 alone."""
+    model = load("tiny-llama")
+    ids = fixed_ids(10, seed=3)
+    changed = ids.clone()
+    changed[7] = (ids[7] + 1234) % 49152
+    with torch.no_grad():
+        a = forward(model, ids, torch.arange(10), [])
+        b = forward(model, changed, torch.arange(10), [])
+    for t in range(7):
+        torch.testing.assert_close(b[t], a[t], atol=1e-5, rtol=1e-5, msg=lambda m, t=t: (
+            f"Exercise 0.2 (attention): the logits at position {t} changed when only token 7 "
+            f"changed, so token {t} sees the future; mask the scores above the diagonal with "
+            f"-inf.\n" + m))
+    assert not torch.allclose(a[7:], b[7:]), (
+        "the logits at positions 7..9 did not change when token 7 changed: attention ignores "
+        "the keys (Exercise 0.2) or forward does not use the new token")
 
 
 # ----------------------------------------------------------------------------- whole models
@@ -167,11 +197,16 @@ def test_generate_decode_steps(monkeypatch):
     real = generation.forward
 
     def recording(model, ids, pos, kv):
-        calls.append((ids.tolist(), pos.tolist(), kv[0][0].shape[0] if kv else 0))
-        return real(model, ids, pos, kv)
+        cached, began = kv[0][0].shape[0] if kv else 0, time.perf_counter()
+        out = real(model, ids, pos, kv)
+        calls.append((ids.tolist(), pos.tolist(), cached))
+        ran.append(time.perf_counter() - began)
+        return out
 
+    ran, reported = [], []  # each forward's own time; (seconds, when) of each on_step call
     monkeypatch.setattr(generation, "forward", recording)
-    new = generation.generate(model, prompt, 4)
+    new = generation.generate(model, prompt, 4, on_step=lambda i, s: reported.append(
+        (i, s, time.perf_counter())))
     assert len(new) == 4 and len(calls) == 4, (
         f"Exercise 0.3 (decode loop): generate(..., 4) made {len(calls)} forward calls and "
         f"returned {len(new)} tokens; expected one prefill and 3 decode steps, 4 tokens")
@@ -181,6 +216,16 @@ def test_generate_decode_steps(monkeypatch):
             f"Exercise 0.3 (decode loop): decode step {i} fed tokens {ids} at positions {pos} "
             f"with {cached} cached rows; expected [{new[i - 1]}] at [{want}] (len(input_ids) + "
             f"i - 1) with {want} cached rows (the same kv list every step)")
+    assert [i for i, _, _ in reported] == [0, 1, 2, 3], (
+        f"Exercise 0.3 (decode loop): on_step was called with i = {[i for i, _, _ in reported]}; "
+        "expected 0 (the prefill), 1, 2, 3")
+    for i in range(1, 4):
+        seconds, said, before = reported[i][1], reported[i][2], reported[i - 1][2]
+        assert ran[i] <= seconds <= said - before, (
+            f"Exercise 0.3 (decode loop): on_step({i}, seconds) got {seconds * 1e3:.1f} ms, but "
+            f"the step's forward took {ran[i] * 1e3:.1f} ms and only {(said - before) * 1e3:.1f} "
+            "ms passed since the previous on_step: time each decode step on its own (restart "
+            "the timer at the top of every step)")
 
 
 @pytest.mark.slow

@@ -240,7 +240,14 @@ def test_load_swaps_meta_placeholders():
     assert tree.proj.weight.is_meta, "under torch.device('meta') the placeholders must be meta"
     full = {k: randn(*v.shape, seed=i) for i, (k, v) in enumerate(tree.state_dict().items())}
     state = dict(full)
-    tree.load_state_dict(state)
+    try:
+        tree.load_state_dict(state)
+    except (KeyError, RuntimeError, ValueError) as e:
+        pytest.fail(f"Exercise 2.2 (load_state_dict): a checkpoint that fits the model was "
+                    f"refused ({type(e).__name__}: {e})"
+                    + (": pop each key you use from state_dict (state_dict.pop(key)); keys left "
+                       "over count as unexpected" if isinstance(e, RuntimeError) else ""),
+                    pytrace=False)
     assert not state, (f"Exercise 2.2 (load_state_dict): used keys must be popped from the dict, "
                        f"left {sorted(state)}")
     after = tree.state_dict()
@@ -270,9 +277,14 @@ def test_load_errors_name_the_problem():
 
     for bad, what in [(torch.zeros(3, 5), "shape"), (torch.zeros(3, 4, dtype=torch.float64),
                                                       "dtype")]:
-        with pytest.raises(ValueError) as e:
+        try:
             _Tree(4).load_state_dict({**full, "proj.weight": bad})
-        msg = str(e.value)
+        except ValueError as e:
+            msg = str(e)
+        else:
+            pytest.fail(f"Exercise 2.2 (load_state_dict): a checkpoint tensor with the wrong "
+                        f"{what} was loaded; compare its shape and dtype with the placeholder's "
+                        "and raise ValueError (never convert it silently)", pytrace=False)
         assert "proj.weight" in msg, (
             f"Exercise 2.2 (load_state_dict): a {what} mismatch must raise ValueError naming "
             f"the key: {msg}")
@@ -319,6 +331,11 @@ def test_linear_layers_match_torch_at_tp1():
     torch.testing.assert_close(single(lambda: LinearRowParallel(12, 8, True),
                                       {"weight": w, "bias": b}, x), F.linear(x, w, b))
     gu = randn(2 * 6, 12, seed=4)
+    shape = tuple(build(0, 1, lambda: LinearColParallelMerged(12, [6, 6], False)).weight.shape)
+    assert shape == (12, 12), (
+        f"Exercise 2.3 (merged column-parallel): output_sizes=[6, 6] at tp = 1 should give a "
+        f"[12, 12] weight (6 gate rows + 6 up rows), got {list(shape)}: add every component's "
+        "share, div_even(size, tp) for each")
     got = single(lambda: LinearColParallelMerged(12, [6, 6], False), {"weight": gu}, x)
     torch.testing.assert_close(got, F.linear(x, gu), msg=lambda m: (
         "Exercise 2.3 (merged column-parallel): at tp = 1 the layer is the whole [12, 12] "
@@ -384,6 +401,38 @@ def _kv_heads_of_rank(r, tp, hq, hkv):
     return list(range(first // group, last // group + 1))
 
 
+@pytest.mark.parametrize("sizes,tp", [([6, 2], 4), ([6, 6], 4), ([2, 2], 4), ([8, 12], 8)])
+def test_merged_column_parallel_refuses_uneven_components(sizes, tp):
+    """Each component is split on its own: one that tp does not divide is refused, even when
+    the total divides, and a component is never replicated."""
+    with torch.device("meta"):
+        try:
+            layer = build(0, tp, lambda: LinearColParallelMerged(16, sizes, has_bias=False))
+        except ValueError:
+            return
+    bad = next(n for n in sizes if n % tp)
+    pytest.fail(f"Exercise 2.3 (merged column-parallel): output_sizes={sizes} at tp={tp} should "
+                f"raise ValueError ({bad} rows cannot be split evenly over {tp} ranks), but it "
+                f"built {layer.weight.shape[0]} local rows: use div_even(size, tp) for each "
+                "component", pytrace=False)
+
+
+@pytest.mark.parametrize("hq,hkv,tp", [(8, 2, 16), (4, 4, 8), (12, 3, 2), (24, 3, 4), (6, 2, 4)])
+def test_qkv_parallel_refuses_uneven_heads(hq, hkv, tp):
+    """Query heads are never replicated; KV heads split evenly, or are replicated evenly."""
+    with torch.device("meta"):
+        try:
+            layer = build(0, tp, lambda: LinearQKVMerged(16, 2, hq, hkv, has_bias=False))
+        except ValueError:
+            return
+    why = (f"{hq} query heads cannot be split over {tp} ranks (query heads are never "
+           "replicated)" if hq % tp else f"{hkv} KV heads cannot be split or replicated evenly "
+           f"over {tp} ranks")
+    pytest.fail(f"Exercise 2.4 (QKV local heads): Hq={hq}, Hkv={hkv}, tp={tp} should raise "
+                f"ValueError: {why}; it built a [{layer.weight.shape[0]}, 16] weight. Use "
+                "div_even, with allow_replicate=True for the KV heads only", pytrace=False)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("hkv", [4, 2, 1])
 def test_qkv_parallel_splits_by_heads(tp, hkv, monkeypatch):
@@ -405,7 +454,13 @@ def test_qkv_parallel_splits_by_heads(tp, hkv, monkeypatch):
         return LinearQKVMerged(hidden, D, hq, hkv, has_bias=True)
 
     local_kv = len(_kv_heads_of_rank(0, tp, hq, hkv))
-    layer = build(0, tp, make)
+    try:
+        layer = build(0, tp, make)
+    except ValueError as e:
+        pytest.fail(f"Exercise 2.4 (QKV local heads): Hq={hq}, Hkv={hkv}, tp={tp} was refused "
+                    f"({e})" + (": with more ranks than KV heads each rank keeps one whole KV "
+                                "head (div_even(num_kv_heads, tp, allow_replicate=True))"
+                                if hkv < tp else ""), pytrace=False)
     want_rows = (hq // tp + 2 * local_kv) * D
     assert layer.weight.shape == (want_rows, hidden), (
         f"Exercise 2.4 (QKV local heads): Hq={hq}, Hkv={hkv}, tp={tp}: each rank holds "
@@ -591,10 +646,11 @@ def test_rmsnorm_matches_hf(dtype):
     got = norm.forward(x)
     assert got.dtype == dtype, (
         f"Exercise 2.6 (rms_norm): output dtype {got.dtype}, expected {dtype}")
-    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {}
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 0}
+    # in half types HF's order (cast, then weight) is bit-exact; weight-then-cast rounds once less
     torch.testing.assert_close(got, want, **tol, msg=lambda m: (
         f"Exercise 2.6 (rms_norm) in {dtype} differs from HF's LlamaRMSNorm: normalise in "
-        "float32, cast back to x's dtype, then multiply by the weight\n" + m))
+        "float32, cast back to x's dtype, then multiply by the weight (in that order)\n" + m))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -776,10 +832,18 @@ def test_attention_layer_norms_rotates_and_calls_backend(qk_norm, hkv):
     batch = make_batch([T], "prefill")
     batch.positions = torch.tensor([5, 900, 4000, 17, 2048, 333], dtype=torch.int32)
     backend = RecordingBackend()
-    with active(batch, backend):
-        out = layer.forward(qkv)
+    try:
+        with active(batch, backend):
+            out = layer.forward(qkv)
+    except Exception as e:  # noqa: BLE001 (the learner's error, reported with the exercise)
+        pytest.fail(f"Exercise 2.9 (AttentionLayer): forward raised {type(e).__name__}: {e} (Hq="
+                    f"{hq}, Hkv={hkv}); split qkv by [Hq*D, Hkv*D, Hkv*D] (self.qo_attn_dim, "
+                    "self.kv_attn_dim), not in three equal parts", pytrace=False)
     got = backend.got
-    assert got["layer_id"] == 3 and got["batch"] is batch, "pass layer_id and ctx.batch on"
+    assert got["layer_id"] == 3, (
+        f"Exercise 2.9 (AttentionLayer): layer 3 passed layer_id={got['layer_id']} to the "
+        "backend; pass self.layer_id, so that each layer uses its own part of the KV cache")
+    assert got["batch"] is batch, "Exercise 2.9 (AttentionLayer): pass ctx.batch to the backend"
     assert got["q"].shape == (T, hq, D), (
         f"Exercise 2.9 (AttentionLayer): the backend gets q as [T, Hq, D] = {(T, hq, D)}, got "
         f"{tuple(got['q'].shape)}")
