@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import minisgl.kernel.cache as kcache
 from minisgl.utils.env import read_env
 
-SETTINGS = settings(max_examples=40, deadline=None, database=None,
+SETTINGS = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 numberish = st.one_of(st.text(max_size=12), st.floats().map(repr), st.integers().map(str),

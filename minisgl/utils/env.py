@@ -49,7 +49,7 @@ def read_env(name: str, kind: type = str, default: Any = None, *, low: Any = Non
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
-    value = raw.strip()
+    value = raw if kind is pathlib.Path else raw.strip()  # a path may end in a space
     accepted = _accepted(kind, low, high, choices)
     if kind is bool:
         flags = {"1": True, "true": True, "yes": True, "on": True,
