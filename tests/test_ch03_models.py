@@ -181,6 +181,32 @@ def test_config_defaults_match_hf():
     assert cfg.rotary_config.scaling is None
 
 
+@pytest.mark.parametrize("case", ["None fields", "GQA without head_dim", "nested text_config"])
+def test_config_optional_fields_none_or_nested(case):
+    """Optional fields may be absent, present but None, or live in a nested text_config."""
+    kw = {"hidden_size": 96, "num_attention_heads": 6, "num_hidden_layers": 2,
+          "intermediate_size": 64, "vocab_size": 100, "rms_norm_eps": 1e-5,
+          "max_position_embeddings": 128}
+    if case == "None fields":  # HF keeps the attribute and stores None: fall back all the same
+        cfg, want = SimpleNamespace(**kw, num_key_value_heads=None, head_dim=None), (6, 6, 16)
+    elif case == "GQA without head_dim":
+        cfg, want = SimpleNamespace(**kw, num_key_value_heads=2), (6, 2, 16)
+    else:  # a multimodal config: the language model's numbers are in text_config
+        cfg = SimpleNamespace(text_config=SimpleNamespace(**kw, num_key_value_heads=2, head_dim=24),
+                              architectures=["LlamaForCausalLM"])
+        want = (6, 2, 24)
+    try:
+        c = ModelConfig.from_hf(cfg)
+    except Exception as e:
+        raise AssertionError(f"Exercise 3.1 ({case}): ModelConfig.from_hf raised "
+                             f"{type(e).__name__} ({e})") from e
+    got = (c.num_qo_heads, c.num_kv_heads, c.head_dim)
+    assert got == want, (
+        f"Exercise 3.1 ({case}): (Hq, Hkv, D) should be {want}, got {got}. A missing or None "
+        "num_key_value_heads means Hkv = Hq; a missing or None head_dim means hidden_size // Hq; "
+        "read both from `text` (config.text_config when the config has one)")
+
+
 def test_config_reads_older_rope_fields():
     """Configs written before transformers 5 keep rope_theta and rope_scaling apart."""
     hf = hf_config("tiny-llama3-rope")
