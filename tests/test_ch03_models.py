@@ -337,7 +337,10 @@ def test_load_weight_streams(name, monkeypatch):
         raise AssertionError(f"Exercise 3.4 ({name}): load_weight raised {type(e).__name__} ({e}). "
                              "Once all parts of a fused tensor are in, yield it and delete its "
                              "pending entry; qkv has 3 parts, gate_up 2") from e
-    assert used == len(read), f"{name}: read {len(read)} tensors but yielded parts of {used}"
+    assert used == len(read), (
+        f"Exercise 3.4 ({name}): load_weight read {len(read)} checkpoint tensors but what it "
+        f"yielded accounts for {used}: yield each merged tensor under its fused name "
+        "(...qkv_proj.weight, ...gate_up_proj.weight), every other tensor under its own")
     assert worst <= 3, (
         f"Exercise 3.4 ({name}): at one point {worst} tensors had been read but not yet yielded. "
         "Yield each fused tensor as soon as its last part arrives (at most k_proj + q_proj waiting "
