@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup models milestone test test-quick browser lab workbook check status reset
+.PHONY: setup models milestone test test-quick browser lab workspace adopt workbook check reset
 
 setup: $(STAMP)
 
@@ -28,20 +28,29 @@ milestone: models
 	@$(VPY) examples/stage1_milestone.py
 
 test:
-	@$(PYTHON) tools/workbook.py status   # stop before touching anything if you have local work
 	@$(MAKE) --no-print-directory models browser
 	@$(VPY) tools/test_all.py $(if $(CH),--chapter $(CH))
 
 test-quick:
-	@$(PYTHON) tools/workbook.py status
 	@$(MAKE) --no-print-directory models
 	@$(VPY) tools/test_all.py --quick
 
 browser:
 	@bash tools/install_browser.sh
 
-lab: models
+# Your notebooks and your package live in workspace/ (git-ignored; created on first use). No
+# command writes there except `workspace` (adds what is missing), `adopt` and `reset`, which keep
+# every file they replace in workspace/.history/ first.
+lab: models workspace
+	@echo "Open workspace/notebooks/ (your copies; solutions/ holds the complete chapters)."
 	$(VENV)/bin/jupyter lab --notebook-dir=.
+
+workspace: setup
+	@$(VPY) tools/workbook.py workspace
+
+adopt: setup
+	@test -n "$(REF)" || (echo "usage: make adopt REF='stash@{0}'   (or a branch or commit: copies your minisgl/ and notebooks/ files kept there into workspace/)"; exit 2)
+	@$(VPY) tools/workbook.py adopt '$(REF)'
 
 workbook: setup
 	$(VPY) tools/workbook.py build
@@ -53,5 +62,5 @@ status:
 	@$(PYTHON) tools/workbook.py status
 
 reset: setup
-	@test -n "$(CH)" || (echo "usage: make reset CH=04 [NB=1]   (backs up your chapter-04 modules, and with NB=1 its notebook, then restores the reference)"; exit 2)
+	@test -n "$(CH)" || (echo "usage: make reset CH=04 [NB=1]   (puts chapter 04's reference modules, and with NB=1 its notebook, into workspace/; yours are kept in workspace/.history/)"; exit 2)
 	$(VPY) tools/workbook.py reset $(CH) $(if $(NB),--notebook)

@@ -46,7 +46,8 @@ class Req:
                              f"{tuple(ids.shape)} on {ids.device}.")
         for name in ("table_idx", "cached_len", "output_len"):
             if not _is_count(getattr(self, name)):
-                raise TypeError(f"{me}: {name}={getattr(self, name)!r} is not an integer.")
+                raise TypeError(f"{me}: {name}={getattr(self, name)!r} is not an integer; "
+                                f"pass a whole number such as {name}=0.")
         # BEGIN SOLUTION 1.1: derive device_len and max_device_len from input_ids and output_len
         self.device_len = len(ids)
         self.max_device_len = len(ids) + self.output_len

@@ -21,9 +21,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TESTS = pathlib.Path(__file__).resolve().parent
-for p in (str(ROOT), str(TESTS)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+# The package under test: the repository's minisgl/ (the reference), or the learner's own when a
+# notebook of workspace/ runs its chapter's tests (tools/nbtools.py sets MINISGL_PACKAGE_TREE).
+sys.path.insert(0, str(ROOT))
+from tools.workbook import env_folder  # noqa: E402 - the tools' reader of MINISGL_* variables
+
+PACKAGE_TREE = env_folder("MINISGL_PACKAGE_TREE", "minisgl") or ROOT.resolve()
+for p in (str(ROOT), str(TESTS), str(PACKAGE_TREE)):
+    if p in sys.path:
+        sys.path.remove(p)
+    sys.path.insert(0, p)
+if PACKAGE_TREE != ROOT:  # subprocesses of the tests (the milestone script...) import it too
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(PACKAGE_TREE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+os.environ.setdefault("MINISGL_WORKBOOK_TEST", "1")
 
 
 def _chain(exc: BaseException | None):
@@ -60,30 +71,6 @@ def pytest_runtest_makereport(item, call):
             f"the chapter's tests. The reference is in solutions/."
         )
 
-
-
-# Every tool that backs a file up says where it went: notebooks run by the tests write minisgl/
-# with the workbook's %%writefile, which copies a module holding the learner's work to
-# .workbook-backup/ first; this lists, at the end of the run, what was saved during it.
-BACKUPS = ROOT / ".workbook-backup"
-_backups_before: set[str] = set()
-
-
-def pytest_sessionstart(session):
-    _backups_before.update(p.name for p in BACKUPS.glob("*") if p.is_dir())
-
-
-def pytest_terminal_summary(terminalreporter):
-    new = sorted(p for p in BACKUPS.glob("*") if p.is_dir() and p.name not in _backups_before)
-    if not new:
-        return
-    terminalreporter.section("your work was backed up")
-    for folder in new:
-        for f in sorted(q for q in folder.rglob("*") if q.is_file()):
-            terminalreporter.write_line(f"  {f.relative_to(folder).as_posix()}  ->  "
-                                        f"{f.relative_to(ROOT).as_posix()}")
-    terminalreporter.write_line("These files held work of your own that a notebook run by the "
-                                "tests replaced; copy back what you want to keep.")
 
 
 @pytest.fixture

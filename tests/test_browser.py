@@ -10,10 +10,10 @@ environment on a temporary copy of the repository and drives headless Chromium (
   every ipywidgets output must render as live widget views and redraw its picture when a slider
   moves, and every figure must show as an image. A screenshot of the chapter's first picture is
   saved to tests/screenshots/NN_slug.png (git-ignored).
-- notebooks/NN_*.ipynb (learner copies): in JupyterLab the `skip-execution` tag does nothing, so
-  their %%writefile cells write stubbed modules (into the temporary copy). Running all cells must
+- workspace/notebooks/NN_*.ipynb (the learner's copies, made from notebooks/ as `make lab` makes
+  them): their %%writefile cells write stubbed modules into the copy's workspace/minisgl/. Running all cells must
   either succeed or stop first at an exercise stub: the first error a learner sees must be
-  `NotImplementedError: Exercise N.M: ...`. The copy's minisgl/ is restored from the checkout
+  `NotImplementedError: Exercise N.M: ...`. The copy's packages are restored from the checkout
   before every notebook.
 
 Nothing in the checkout changes except tests/screenshots/. Needs Chromium at /usr/bin/chromium
@@ -45,12 +45,14 @@ from pathlib import Path
 
 import pytest
 
+from minisgl.utils.env import env_error, read_env
+
 ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOTS = ROOT / "tests" / "screenshots"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-NB_TIMEOUT = float(os.environ.get("MINISGL_BROWSER_TIMEOUT", "600"))  # on an unloaded machine
+NB_TIMEOUT = read_env("MINISGL_BROWSER_TIMEOUT", float, 600.0, low=1, high=86400)  # unloaded
 MAX_STRETCH = 4.0  # a busy machine stretches the limit at most this much
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 # What JupyterLab shows instead of a widget when its front end is missing or broken.
@@ -90,10 +92,16 @@ def _why_not_runnable() -> str | None:
 
 
 def _chapters() -> set[str] | None:
-    raw = os.environ.get("MINISGL_BROWSER_NOTEBOOKS", "").strip()
+    raw = read_env("MINISGL_BROWSER_NOTEBOOKS", str, "")
     if not raw:
         return None
-    return {f"{int(x):02d}" for x in re.split(r"[,\s]+", raw) if x}
+    parts = [x for x in re.split(r"[,\s]+", raw) if x]
+    for x in parts:
+        if not (x.isascii() and x.isdigit() and int(x) <= 99):
+            raise env_error("MINISGL_BROWSER_NOTEBOOKS", os.environ["MINISGL_BROWSER_NOTEBOOKS"],
+                            f"is not an accepted value ({x!r} is not a chapter number)",
+                            "chapter numbers separated by commas, e.g. 01,04")
+    return {f"{int(x):02d}" for x in parts}
 
 
 def _notebooks(folder: str) -> list[str]:
@@ -154,6 +162,13 @@ class Lab:
             (self.work / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, self.work / rel)
         shutil.copytree(self.work / "minisgl", self.reference)
+        # the learner's workspace, as `make lab` makes it: their copies of the chapters (without
+        # the skip-execution tag) beside their own package
+        from tools import workbook as wb
+
+        for path in sorted((self.work / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+            wb.write_file(self.work / wb.WORKSPACE / "notebooks" / path.name,
+                          wb.learner_copy(path.read_bytes()))
         if (ROOT / "models").exists():
             (self.work / "models").symlink_to(ROOT / "models")
         # The kernel must be the project's environment: a `python3` kernelspec naming its python,
@@ -376,10 +391,12 @@ def kernel_activity(lab: Lab, status: str, sample_s: float = 5.0) -> str:
 
 
 def restore_package(lab: Lab) -> None:
-    """Make the copy's minisgl/ the checkout's again (learner notebooks overwrite it with stubs),
-    from the snapshot taken when the copy was made."""
-    shutil.rmtree(lab.work / "minisgl", ignore_errors=True)
-    shutil.copytree(lab.reference, lab.work / "minisgl")
+    """Make the copy's minisgl/ and its workspace's minisgl/ the checkout's again (learner
+    notebooks overwrite the workspace's with stubs), from the snapshot taken when the copy was
+    made."""
+    for tree in (lab.work, lab.work / "workspace"):
+        shutil.rmtree(tree / "minisgl", ignore_errors=True)
+        shutil.copytree(lab.reference, tree / "minisgl")
 
 
 @pytest.fixture(scope="module")
@@ -734,7 +751,7 @@ def test_solution_notebook_in_jupyterlab(notebook, stem):
 
 @pytest.mark.parametrize("stem", _notebooks("notebooks"))
 def test_learner_notebook_in_jupyterlab(notebook, stem):
-    rel = f"notebooks/{stem}.ipynb"
+    rel = f"workspace/notebooks/{stem}.ipynb"  # the learner's own copy, as `make lab` makes it
     nb = notebook(rel)
     opened = nb.open()
     assert opened["kernelName"] == "python3", f"{rel} started kernel {opened['kernelName']!r}"
@@ -750,7 +767,7 @@ def test_learner_notebook_in_jupyterlab(notebook, stem):
         # the stub itself, or a check cell reporting it ("Exercise 0.1: rms_norm raised
         # NotImplementedError: Exercise 0.1: ..."): either way the stub's own message is shown
         stubs = [json.loads(m) for m in re.findall(r'raise NotImplementedError\(("(?:[^"\\]|\\.)*")\)',
-                                                   _code(ROOT / rel))]
+                                                   _code(ROOT / "notebooks" / f"{stem}.ipynb"))]
         quoted = [m for m in stubs if m in (err["evalue"] or "")]
         assert err["ename"] in ("NotImplementedError", "AssertionError") and quoted, (
             f"the first error a learner sees in {rel} is not an exercise stub: "

@@ -23,11 +23,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import minisgl
+
 from helpers import model_path, require_kernels
 from minisgl import kernel
 from minisgl.kernel import build as kbuild
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE_TREE = pathlib.Path(minisgl.__file__).resolve().parent.parent  # the package under test
 pytestmark = pytest.mark.usefixtures("clean_globals")
 
 
@@ -357,7 +360,7 @@ engine.shutdown()
 
 
 def _run_engine(tmp_path, kernels: bool, **env_extra) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_extra}
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_TREE), **env_extra}
     code = DEFAULT_ENGINE.replace("MODEL", repr(str(model_path("tiny-llama")))).replace(
         "KERNELS", repr(kernels))
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -402,7 +405,7 @@ print("lanes", mod.vector_lanes(), "ok")
 
 
 def _build_proc(cache: pathlib.Path, **env_extra) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MINISGL_KERNEL_CACHE": str(cache),
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_TREE), "MINISGL_KERNEL_CACHE": str(cache),
            **env_extra}
     return subprocess.Popen([sys.executable, "-c", BUILD], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

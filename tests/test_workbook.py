@@ -97,6 +97,7 @@ def snapshot(root: Path) -> dict[str, bytes]:
 def repo(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
     (root / "minisgl").mkdir(parents=True)
+    (root / "tools").mkdir()  # a workbook: solutions/ and tools/
     (root / "minisgl" / "__init__.py").write_text('"""placeholder"""\n')
     save(root / "solutions" / "00_intro.ipynb", make_nb("00", "## Intro", INIT))
     save(root / "solutions" / "01_ops.ipynb", make_nb("01", "## Ops", OPS, NORM))
@@ -160,11 +161,6 @@ def test_build_writes_modules_and_learner_notebooks(built: Path):
         assert ("skip-execution" in cell.metadata.get("tags", [])) == is_writefile
         assert "SOLUTION" not in cell.source and "total = a + b" not in cell.source
         assert cell.get("outputs", []) == [] and cell.get("execution_count") is None
-    manifest = json.loads((built / wb.MANIFEST).read_text())
-    assert sorted(manifest) == ["minisgl/__init__.py", "minisgl/layers/norm.py", "minisgl/ops.py",
-                                "notebooks/00_intro.ipynb", "notebooks/01_ops.ipynb"]
-    for rel, digest in manifest.items():
-        assert hashlib.sha256((built / rel).read_bytes()).hexdigest() == digest
 
 
 def test_build_strips_solutions_keeps_tags_and_is_idempotent(built: Path, capsys):
@@ -185,53 +181,79 @@ def test_build_strips_solutions_keeps_tags_and_is_idempotent(built: Path, capsys
     assert snapshot(built) == before
 
 
-def test_build_never_overwrites_uncommitted_learner_notebook(built: Path, capsys):
-    mine = edit_learner_nb(built).read_bytes()
-    sol = built / "solutions" / "01_ops.ipynb"  # a maintainer change that alters every output
-    nb = load(sol)
-    nb.cells[2].source += "\n\ndef sub(a, b):\n    return a - b\n"
-    save(sol, nb)
-    code, out = cli(built, capsys, "build")
-    assert code == 1
-    assert "notebooks/01_ops.ipynb" in out and "reset 01 --notebook" in out and "git stash" in out
-    assert (built / "notebooks" / "01_ops.ipynb").read_bytes() == mine
-    assert "def sub" in (built / "minisgl" / "ops.py").read_text()  # the others were updated
-
-
-def test_build_never_overwrites_committed_learner_module(built: Path, capsys):
-    def git(*args):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=built,
-                       check=True, capture_output=True)
-
-    git("init", "-q")
-    git("add", "-A")
-    git("commit", "-qm", "workbook")
-    ops = built / "minisgl" / "ops.py"
-    ops.write_text(ops.read_text() + "\n\ndef mine():\n    return 0\n")
-    git("commit", "-qam", "my work")
-    mine = ops.read_bytes()
-    code, out = cli(built, capsys, "build")
-    assert code == 1 and "minisgl/ops.py" in out and "reset 01" in out
-    assert ops.read_bytes() == mine
-
-
-def test_build_treats_unknown_existing_file_as_learner_work(repo: Path, capsys):
-    code, out = cli(repo, capsys, "build")  # minisgl/__init__.py is not in the (absent) manifest
-    assert code == 1 and "minisgl/__init__.py" in out
-    assert (repo / "minisgl" / "__init__.py").read_text() == '"""placeholder"""\n'
-    assert (repo / "minisgl" / "ops.py").exists()
-
-
-def test_maintainer_edit_updates_files_and_removes_stale_ones(built: Path, capsys):
+def test_build_rewrites_generated_files_and_deletes_nothing(built: Path, capsys):
+    """minisgl/ and notebooks/ are generated only (the learner's work is in workspace/): build
+    rewrites whatever differs, and leaves a file no notebook writes any more for `check`."""
+    (built / "minisgl" / "ops.py").write_text("# hand edit\n")
     sol = built / "solutions" / "01_ops.ipynb"
     nb = load(sol)
     nb.cells[2].source = nb.cells[2].source.replace("../minisgl/ops.py", "../minisgl/ops2.py")
     save(sol, nb)
     code, out = cli(built, capsys, "build")
-    assert code == 0 and "2 files written" in out and "1 removed" in out
-    assert not (built / "minisgl" / "ops.py").exists()
+    assert code == 0 and "2 files written" in out, out
     assert (built / "minisgl" / "ops2.py").read_text() == OPS.split("\n", 1)[1]
-    assert cli(built, capsys, "check")[0] == 0
+    assert (built / "minisgl" / "ops.py").read_text() == "# hand edit\n"
+    code, out = cli(built, capsys, "check")
+    assert code == 1 and "minisgl/ops.py: written by no notebook" in out, out
+
+
+def test_build_writes_over_an_unknown_existing_file(repo: Path, capsys):
+    code, out = cli(repo, capsys, "build")
+    assert code == 0, out
+    assert (repo / "minisgl" / "__init__.py").read_text() == '"""minisgl (chapter 00)."""\n'
+
+
+PART2 = """%%writefile -a ../minisgl/ops.py
+# --- part 2: more ops ---
+def sub(a, b):
+    # BEGIN SOLUTION 1.3: a minus b
+    return a - b
+    # END SOLUTION
+"""
+
+
+def test_a_module_written_by_several_cells(repo: Path, capsys):
+    """A first cell, then a part cell (`-a` with a part marker) after prose: the module is their
+    bodies in order; the learner copy stubs each part's exercises."""
+    save(repo / "solutions" / "01_ops.ipynb", make_nb("01", OPS, "## Prose between", PART2))
+    (repo / "minisgl" / "__init__.py").unlink()
+    code, out = cli(repo, capsys, "build")
+    assert code == 0, out
+    assert (repo / "minisgl" / "ops.py").read_text() == OPS.split("\n", 1)[1] + PART2.split(
+        "\n", 1)[1]
+    learner = load(repo / "notebooks" / "01_ops.ipynb")
+    assert 'raise NotImplementedError("Exercise 1.3: a minus b")' in learner.cells[3].source
+    assert "skip-execution" in learner.cells[3].metadata["tags"]
+    assert wb.chapter_versions(repo, "01")["minisgl/ops.py"][1] == OPS_STUB + (
+        "# --- part 2: more ops ---\ndef sub(a, b):\n"
+        '    raise NotImplementedError("Exercise 1.3: a minus b")\n')
+
+
+@pytest.mark.parametrize("cells, expected", [
+    ([PART2, OPS], "before the cell that starts minisgl/ops.py"),
+    ([OPS, NORM, PART2], "a part of minisgl/ops.py after minisgl/layers/norm.py's cell"),
+    ([OPS, PART2.replace("part 2", "part 3")], "part 3 of minisgl/ops.py; the next part is 2"),
+    ([OPS, PART2.replace("# --- part 2: more ops ---\n", "")], "first line must be a part marker"),
+    ([OPS, PART2.replace("-a", "-x")], "unknown option -x"),
+], ids=["part-first", "other-module-between", "part-skipped", "no-marker", "unknown-flag"])
+def test_check_reports_misplaced_parts(tmp_path: Path, capsys, cells, expected):
+    save(tmp_path / "solutions" / "01_ops.ipynb", make_nb("01", *cells))
+    (tmp_path / "tools").mkdir()
+    code, out = cli(tmp_path, capsys, "check")
+    assert code == 1 and expected in out, out
+
+
+def test_writefile_replaces_one_part_in_place(tmp_path: Path):
+    """Re-running any one cell of a module alone gives the module Run All gives."""
+    head, part2 = OPS.split("\n", 1)[1], PART2.split("\n", 1)[1]
+    whole = head + part2
+    assert nbtools.new_text(None, head, False) == head
+    assert nbtools.new_text(head, part2, True) == whole
+    assert nbtools.new_text(whole, part2.replace("a - b", "b - a"), True) == whole.replace(
+        "a - b", "b - a")
+    assert nbtools.new_text(whole, head.replace("a + b", "b + a"), False) == whole.replace(
+        "a + b", "b + a")
+    assert nbtools.new_text("x = 1\n", "y = 2\n", True) == "x = 1\ny = 2\n"  # IPython's -a
 
 
 # ----------------------------------------------------------------------------- check
@@ -242,12 +264,11 @@ def test_check_passes_on_clean_tree(built: Path, capsys):
     assert code == 0 and "check: OK (2 notebooks, 3 modules)" in out
 
 
-@pytest.mark.parametrize("solutions", [False, True])
-def test_check_passes_on_empty_tree(tmp_path: Path, capsys, solutions: bool):
+def test_check_passes_on_empty_tree(tmp_path: Path, capsys):
     (tmp_path / "minisgl").mkdir()
+    (tmp_path / "tools").mkdir()
     (tmp_path / "minisgl" / "__init__.py").write_text("")
-    if solutions:
-        (tmp_path / "solutions").mkdir()
+    (tmp_path / "solutions").mkdir()
     code, out = cli(tmp_path, capsys, "check")
     assert code == 0 and "check: OK (0 notebooks, 0 modules)" in out and "note" in out
 
@@ -327,7 +348,6 @@ BEGIN, END = "    # BEGIN SOLUTION 1.1: t", "    # END SOLUTION"
 SOLUTION_FAILURES = {
     "missing-test-cell": (["## Ops", OPS], False,
                           'no test cell; add a code cell calling `run_chapter_tests("01")`'),
-    "append-flag": (["%%writefile -a ../minisgl/ops.py\nx = 1\n"], True, "-a` (append)"),
     "outside-minisgl": (["%%writefile ../other/x.py\nx = 1\n"], True, "under ../minisgl/"),
     "not-py": (["%%writefile ../minisgl/x.txt\nx = 1\n"], True, "must be a .py, .cpp or .h file"),
     "same-file-twice": ([OPS, OPS.replace("1.1", "1.3").replace("1.2", "1.4")], True,
@@ -360,6 +380,7 @@ SOLUTION_FAILURES = {
 @pytest.mark.parametrize("kind", sorted(SOLUTION_FAILURES))
 def test_check_reports_solution_problems(tmp_path: Path, capsys, kind: str):
     cells, test, expected = SOLUTION_FAILURES[kind]
+    (tmp_path / "tools").mkdir()
     save(tmp_path / "solutions" / "01_ops.ipynb", make_nb("01", *cells, test=test))
     code, out = cli(tmp_path, capsys, "check")
     assert code == 1 and expected in out, out
@@ -380,33 +401,25 @@ def test_check_reports_module_written_by_two_notebooks(built: Path, capsys):
 # ----------------------------------------------------------------------------- reset
 
 
-def test_reset_backs_up_and_restores_modules(built: Path, capsys):
-    (built / ".gitignore").write_text("*.pyc")
-    ops = built / "minisgl" / "ops.py"
-    mine = b"# my own ops\n\x00\xff"
+def test_reset_keeps_the_learners_files_and_restores_the_reference(built: Path, capsys):
+    assert cli(built, capsys, "workspace")[0] == 0
+    ws = built / wb.WORKSPACE
+    ops = ws / "minisgl" / "ops.py"
+    mine = b"# my own ops\n\x00\xff"  # not even UTF-8: kept byte for byte
     ops.write_bytes(mine)
-    learner_nb = edit_learner_nb(built).read_bytes()
+    notebook = ws / "notebooks" / "01_ops.ipynb"
+    learner_nb = notebook.read_bytes()
     code, out = cli(built, capsys, "reset", "1")
-    assert code == 0
-    [backup] = list((built / wb.BACKUP_DIR).glob("*/minisgl/ops.py"))
-    assert f"saved your minisgl/ops.py to {backup.relative_to(built).as_posix()}" in out
-    assert backup.read_bytes() == mine
+    assert code == 0, out
+    [kept] = list((ws / wb.HISTORY / "minisgl" / "ops.py").glob("*.py"))
+    assert kept.read_bytes() == mine and str(kept.relative_to(built)) in out, out
     assert ops.read_text() == OPS.split("\n", 1)[1]
-    assert (built / "notebooks" / "01_ops.ipynb").read_bytes() == learner_nb  # untouched
-    assert (built / ".gitignore").read_text() == "*.pyc"  # the backup folder ignores itself:
-    subprocess.run(["git", "init", "-q"], cwd=built, check=True)
-    untracked = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
-                               cwd=built, capture_output=True, text=True, check=True).stdout
-    assert "minisgl/ops.py" in untracked and wb.BACKUP_DIR not in untracked, untracked
-
-
-def test_reset_notebook_backs_up_and_restores_it(built: Path, capsys):
-    mine = edit_learner_nb(built).read_bytes()
+    assert notebook.read_bytes() == learner_nb  # untouched without --notebook
+    notebook.write_text("{}")
     code, out = cli(built, capsys, "reset", "01", "--notebook")
-    assert code == 0 and "saved your notebooks/01_ops.ipynb to .workbook-backup/" in out
-    [backup] = list((built / wb.BACKUP_DIR).glob("*/notebooks/01_ops.ipynb"))
-    assert backup.read_bytes() == mine
-    assert cli(built, capsys, "status")[0] == 0
+    assert code == 0 and notebook.read_bytes() == wb.learner_copy(
+        (built / "notebooks" / "01_ops.ipynb").read_bytes())
+    assert [p.read_text() for p in (ws / wb.HISTORY / "notebooks" / "01_ops.ipynb").glob("*")] == ["{}"]
     assert cli(built, capsys, "check")[0] == 0
 
 
@@ -415,66 +428,64 @@ def test_reset_unknown_chapter(built: Path, capsys):
     assert code == 2 and "unknown chapter '07'; chapters that exist: 00, 01" in out
 
 
-# ----------------------------------------------------------------------------- status
-
-
-def test_status_clean(built: Path, capsys):
-    (built / "notebooks" / "_scratch.ipynb").write_text("{}")  # scratch notebooks are ignored
-    assert cli(built, capsys, "status") == (0, "status: clean\n")
-
-
-@pytest.mark.parametrize("rel", ["minisgl/ops.py", "notebooks/01_ops.ipynb", "minisgl/mine.py"])
-def test_status_reports_learner_work(built: Path, capsys, rel: str):
-    path = built / rel
-    path.write_text((path.read_text() if path.exists() else "") + "\n")
-    code, out = cli(built, capsys, "status")
-    assert code == 1 and f"  {rel}" in out, out
-    if rel == "minisgl/mine.py":
-        assert "mv minisgl/mine.py ../my-minisgl-work/" in out, out
-    else:
-        assert "make reset CH=01" + (" NB=1" if rel.startswith("notebooks/") else "") in out, out
-
-
 # ----------------------------------------------------------------------------- nbtools
 
 
-def test_write_module_backs_up_only_work_it_did_not_write(built: Path, capsys):
-    ops = built / "minisgl" / "ops.py"
-    reference, stub = OPS.split("\n", 1)[1], OPS_STUB
-    nbtools._WRITTEN.clear()
-    for before in (reference, stub):  # the reference or the stub: `reset` gives them back
+def test_write_module_keeps_every_earlier_version_once(built: Path):
+    tree = built / wb.WORKSPACE
+    ops = tree / "minisgl" / "ops.py"
+    ops.parent.mkdir(parents=True)
+    for before in (OPS.split("\n", 1)[1], OPS_STUB):  # the reference or the stub: `reset` has them
         ops.write_text(before)
-        assert nbtools.write_module(ops, "# v1\n", root=built) is None
-    assert nbtools.write_module(ops, "# v2\n", root=built) is None  # this kernel wrote v1
-    ops.write_text("# edited in an editor\n")
-    saved = nbtools.write_module(ops, "# v3\n", root=built)
-    assert saved is not None and saved.read_text() == "# edited in an editor\n"
-    assert f"saved it to {saved.relative_to(built).as_posix()}" in capsys.readouterr().out
-    assert ops.read_text() == "# v3\n"
-    new = built / "minisgl" / "new.py"  # a file that did not exist: nothing to keep
-    assert nbtools.write_module(new, "x = 1\n", root=built) is None and new.exists()
+        assert nbtools.write_module(ops, "# v1\n", tree=tree, root=built) is None
+    kept = nbtools.write_module(ops, "# v2\n", tree=tree, root=built)  # v1: the learner's
+    assert kept is not None and kept.read_text() == "# v1\n" and kept.parent == (
+        tree / wb.HISTORY / "minisgl" / "ops.py")
+    ops.write_text("# v1\n")
+    assert nbtools.write_module(ops, "# v3\n", tree=tree, root=built) is None  # kept already
+    assert nbtools.write_module(ops, "# v3\n", tree=tree, root=built) is None  # same text
+    assert sorted(p.read_text() for p in kept.parent.iterdir()) == ["# v1\n"]
+    new = tree / "minisgl" / "new.py"  # a file that did not exist: nothing to keep
+    assert nbtools.write_module(new, "x = 1\n", tree=tree, root=built) is None and new.exists()
 
 
-def test_guard_sets_aside_a_module_that_does_not_compile(built: Path, capsys, monkeypatch):
-    ops = built / "minisgl" / "ops.py"
+def test_write_module_refuses_a_target_outside_the_tree(built: Path, tmp_path: Path):
+    tree = built / wb.WORKSPACE
+    (tree / "minisgl").mkdir(parents=True)
+    outside = tmp_path / "elsewhere.py"
+    outside.write_text("# not the workbook's\n")
+    (tree / "minisgl" / "link.py").symlink_to(outside)
+    (tree / "minisgl" / "folder").symlink_to(tmp_path, target_is_directory=True)
+    for target in (tree / "minisgl" / "link.py", tree / "minisgl" / "folder" / "elsewhere.py",
+                   tree / ".." / "README.md", outside):
+        with pytest.raises(wb.WorkbookError, match="outside this notebook's tree"):
+            nbtools.write_module(target, "x = 1\n", tree=tree, root=built)
+    assert outside.read_text() == "# not the workbook's\n"
+    with pytest.raises(wb.WorkbookError, match="is a folder"):
+        nbtools.write_module(tree / "minisgl", "x = 1\n", tree=tree, root=built)
+
+
+def test_guard_sets_aside_a_module_that_does_not_compile(built: Path, capsys):
+    assert cli(built, capsys, "workspace")[0] == 0
+    tree = built / wb.WORKSPACE
+    ops = tree / "minisgl" / "ops.py"
     ops.write_text("def add(a, b:\n")
-    shutil.rmtree(built / "minisgl" / "layers")
-    monkeypatch.chdir(built / "notebooks")
-    nbtools.guard("01", root=built)
+    shutil.rmtree(tree / "minisgl" / "layers")
+    nbtools.guard("01", root=built, cwd=tree / "notebooks")
     out = capsys.readouterr().out
-    assert "guard: minisgl/ops.py did not import (SyntaxError" in out and "git diff" in out
-    [saved] = list((built / wb.BACKUP_DIR).glob("*/minisgl/ops.py"))
+    assert "guard: minisgl/ops.py did not import (SyntaxError" in out, out
+    [saved] = list((tree / wb.HISTORY / "minisgl" / "ops.py").glob("*.py"))
     assert saved.read_text() == "def add(a, b:\n"
-    assert ops.read_text() == OPS_STUB  # from notebooks/: the stub, until the cell runs
-    assert (built / "minisgl" / "layers").is_dir()
-    monkeypatch.chdir(built / "solutions")
-    ops.write_text("def add(a, b:\n")
-    nbtools.guard("01", root=built)
-    assert ops.read_text() == OPS.split("\n", 1)[1]  # from solutions/: the reference
+    assert ops.read_text() == OPS_STUB  # from the learner's copy: the stub, until the cell runs
+    assert (tree / "minisgl" / "layers").is_dir()
+    ref = built / "minisgl" / "ops.py"
+    ref.write_text("def add(a, b:\n")
+    nbtools.guard("01", root=built, cwd=built / "solutions")
+    assert ref.read_text() == OPS.split("\n", 1)[1]  # from solutions/: the reference
     capsys.readouterr()
-    nbtools.guard("01", root=built)  # nothing broken: nothing set aside
+    nbtools.guard("01", root=built, cwd=tree / "notebooks")  # nothing broken: nothing set aside
     assert "did not import" not in capsys.readouterr().out
-    nbtools.guard("05", root=built)  # no notebook at all: a note, no exception
+    nbtools.guard("05", root=built, cwd=tree / "notebooks")  # no notebook: a note, no exception
     assert "nothing to do" in capsys.readouterr().out
 
 

@@ -1,9 +1,10 @@
 """Run (with runpy, so the learner's namespace stays empty) by every IPython kernel of the
 workbook's .venv that starts inside a workbook checkout (tools/bootstrap.sh writes the venv's
 `etc/ipython/ipython_kernel_config.py`, which looks for this file): `%%writefile` becomes the
-workbook's, which backs up a module holding work
-before replacing it, even in a notebook whose first cell (`guard`) has not run. Anywhere else it
-does nothing. It must never break a kernel: any failure is one printed line."""
+workbook's, which keeps the version a cell replaces in .history/, writes a module's parts in
+place and refuses targets outside the notebook's tree, even in a notebook whose first cell
+(`guard`) has not run. Anywhere else it does nothing. It must never break a kernel: any failure
+is one printed line."""
 
 
 def _register_workbook_writefile() -> None:
@@ -22,7 +23,7 @@ def _register_workbook_writefile() -> None:
 
         register_writefile()
     except Exception as exc:  # noqa: BLE001 - a kernel must start whatever happens here
-        print(f"minisgl workbook: %%writefile backups are off in this kernel ({exc}); run the "
+        print(f"minisgl workbook: the workbook's %%writefile is off in this kernel ({exc}); run the "
               "notebook's first cell, which turns them on")
 
 

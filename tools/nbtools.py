@@ -1,6 +1,7 @@
 """Helpers the workbook notebooks import (see tools/workbook.py for the workbook's layout).
 
-First cell of every chapter notebook:
+First cell of every chapter notebook (the same in solutions/, notebooks/ and workspace/notebooks/;
+`tools` is importable from the workbook's .venv wherever the notebook is):
 
     import sys, pathlib; sys.path.insert(0, str(pathlib.Path.cwd().parent))
     from tools.nbtools import guard, reload_minisgl, run_chapter_tests
@@ -11,9 +12,11 @@ and its last code cell runs `run_chapter_tests("04")`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -29,63 +32,101 @@ def repo_root() -> Path:
 
 # ----------------------------------------------------------------------------- %%writefile
 #
-# The notebooks write the package with `%%writefile ../minisgl/...` cells. The workbook's own
-# %%writefile (registered by `guard`, the first cell, and by every kernel of the workbook's
-# .venv: see tools/kernel_startup.py) replaces IPython's for files under minisgl/: before it
-# overwrites a file, it copies it to .workbook-backup/ unless the file holds nothing this cell
-# could lose: the same text, the reference (`reset` restores it), the exercise stub, or what this
-# kernel itself wrote there last. Everything else (an edit made in an editor, another notebook's
-# version, the learner's cell run from notebooks/ before a solution cell) is work: backed up.
+# The notebooks write the package with `%%writefile ../minisgl/...` cells. A notebook writes into
+# its own tree, the parent of its folder: the learner's copies in workspace/notebooks/ write
+# workspace/minisgl/ (the learner's own package, git-ignored), the complete chapters in
+# solutions/ write the tracked minisgl/ (the reference). The workbook's %%writefile (registered
+# by `guard`, the first cell, and by every kernel of the workbook's .venv: tools/kernel_startup.py)
+# adds two things to IPython's:
+# - it keeps the version a cell replaces in <tree>/.history/<path>/ (one calm line says so), so
+#   every earlier version of a module is still there, grouped by file (the reference and the
+#   stub are not copied: `make reset` restores them);
+# - `%%writefile -a` with a part marker (`# --- part N: title ---`) replaces part N of a module
+#   written by several cells, so any one cell can be re-run alone.
+# It refuses a target outside the notebook's tree (a symbolic link included): nothing a cell
+# writes can land in the tracked files of the repository from a learner's notebook.
 
-_WRITTEN: dict[str, str] = {}  # minisgl/ path -> sha256 of what this kernel last wrote there
+
+def notebook_tree(cwd: Path | None = None) -> Path:
+    """The tree a notebook's cells write into: the parent of the notebook's folder."""
+    return (Path(cwd) if cwd else Path.cwd()).resolve().parent
 
 
-def _known_versions(root: Path, rel: str) -> set[str]:
-    """sha256 of the reference and the stub of `rel`, from the chapter that writes it."""
+def new_text(old: str | None, text: str, append: bool) -> str:
+    """What a module holds after a `%%writefile` (`append`: `-a`) of `text` over `old`.
+
+    Part 1 (a plain `%%writefile`) keeps the parts after it; part N replaces part N."""
+    if append:
+        marker = wb.PART.match(text.partition("\n")[0])
+        if not marker:
+            return (old or "") + text  # IPython's -a
+        head, parts = wb.split_parts(old or "")
+        parts[int(marker[1])] = text
+        return wb.join_parts(head, parts)
+    if old and not wb.split_parts(text)[1]:
+        return wb.join_parts(text, wb.split_parts(old)[1])
+    return text
+
+
+@functools.lru_cache(maxsize=1)
+def _generated_hashes(root: Path) -> frozenset[str]:
+    """sha256 of every module text the chapters generate (reference and stub, whole modules and
+    each part): a file holding one of these loses nothing when replaced (`reset` restores it)."""
+    found = set()
     for nn in wb.solution_notebooks(root)[0]:
-        versions = wb.chapter_versions(root, nn)
-        if rel in versions:
-            return {wb.sha256(text.encode("utf-8")) for text in versions[rel]}
-    return set()
+        for pair in wb.chapter_versions(root, nn).values():
+            for text in pair:
+                head, parts = wb.split_parts(text)
+                found |= {wb.sha256(t.encode("utf-8")) for t in (text, head, *parts.values())}
+    return frozenset(found)
 
 
-def write_module(path: Path, text: str, *, root: Path | None = None) -> Path | None:
-    """Write `text` to `path` (under minisgl/), first backing up what the file held when that is
-    work this kernel did not write. Returns the backup copy's path, or None."""
-    root = Path(root) if root else repo_root()
-    rel = path.resolve().relative_to(root.resolve()).as_posix()
-    data = text.encode("utf-8")
-    saved = None
-    old = path.read_bytes() if path.is_file() else None
-    if old is not None and old != data:
-        digest = wb.sha256(old)
-        if digest != _WRITTEN.get(rel) and digest not in _known_versions(root, rel):
-            saved = wb.backup(root, [rel]) / rel
-            print(f"writefile: {rel} held work this cell did not write (an editor's, another "
-                  f"notebook's, or an earlier version); saved it to "
-                  f"{saved.relative_to(root).as_posix()} before replacing it.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    _WRITTEN[rel] = wb.sha256(data)
-    return saved
+def write_module(path: Path, text: str, *, append: bool = False, tree: Path | None = None,
+                 root: Path | None = None) -> Path | None:
+    """Write a cell's text to `path` (inside `tree`), keeping the version it replaces in
+    <tree>/.history/. Returns the kept copy's path, or None (nothing new to keep)."""
+    tree = (Path(tree) if tree else notebook_tree()).resolve()
+    target = Path(os.path.abspath(path)).resolve()  # through any symbolic link
+    if not target.is_relative_to(tree):
+        raise wb.WorkbookError(
+            f"%%writefile {path}: that file ({target}) is outside this notebook's tree ({tree}); "
+            "a notebook's cells write only inside it. Write to a path under "
+            f"{tree.name}/ instead.")
+    if target.is_dir():
+        raise wb.WorkbookError(f"%%writefile {path}: {target} is a folder; give a file name")
+    old = wb.read_text(target) if target.exists() else None
+    data = new_text(old, text, append)
+    keep = old not in (None, data) and wb.sha256(old.encode("utf-8")) not in _generated_hashes(
+        Path(root) if root else repo_root())
+    kept = wb.keep_history(tree, target, old) if keep else None
+    wb.write_text(target, data)
+    return kept
 
 
 def _writefile(line: str, cell: str):
-    """The workbook's `%%writefile`: IPython's, plus a backup for files under minisgl/."""
-    from IPython import get_ipython
-    from IPython.core.magics.osm import OSMagics
-
-    shell = get_ipython()
+    """The workbook's `%%writefile`: IPython's, keeping what it replaces and writing parts."""
     try:
         args = shlex.split(line)
-    except ValueError:
-        args = []
-    target = Path(os.path.expanduser(args[0])) if len(args) == 1 else None
-    package = (repo_root() / "minisgl").resolve()
-    if target is None or not target.resolve().is_relative_to(package):
-        return OSMagics(shell).writefile(line, cell)  # anything else: IPython's own
-    print(("Overwriting " if target.exists() else "Writing ") + args[0])
-    write_module(target, cell)
+    except ValueError as exc:
+        print(f"%%writefile {line}: {exc}")
+        return
+    paths = [a for a in args if not a.startswith("-")]
+    flags = set(args) - set(paths)
+    if len(paths) != 1 or flags - {"-a", "--append"}:
+        print(f"%%writefile {line}: give one file name, optionally after -a")
+        return
+    target = Path(os.path.expanduser(paths[0]))
+    exists = target.exists()
+    try:
+        kept = write_module(target, cell if cell.endswith("\n") or not cell else cell + "\n",
+                            append=bool(flags))
+    except wb.WorkbookError as exc:
+        from IPython.core.error import UsageError
+
+        raise UsageError(str(exc)) from None
+    print(("Appending to " if flags else "Overwriting " if exists else "Writing ") + paths[0])
+    if kept is not None:
+        print(f"(the version it replaced is kept in {kept.relative_to(notebook_tree())})")
 
 
 def register_writefile() -> bool:
@@ -139,51 +180,105 @@ def _first_broken(root: Path, rels: list[str]) -> tuple[str | None, str]:
     return None, ""
 
 
-def _set_aside_broken(root: Path, versions: dict[str, str], nn: str) -> None:
+def _set_aside_broken(tree: Path, versions: dict[str, str], root: Path) -> None:
     """A module of this chapter that an earlier run left unimportable would stop Run All at the
-    first check cell that imports its package, before the cell that rewrites it. Back it up and
-    put this notebook's own version (the stub, or the reference from solutions/) in its place;
-    that cell writes the learner's version when Run All reaches it."""
-    rels = [rel for rel in versions if rel.endswith(".py") and (root / rel).is_file()]
+    first check cell that imports its package, before the cell that rewrites it. Put this
+    notebook's own version (the stub, or the reference) in its place, keeping the broken one in
+    .history/; the notebook's cell for it writes the learner's code again when Run All reaches
+    it."""
+    rels = [rel for rel in versions if rel.endswith(".py") and (tree / rel).is_file()]
     for _ in range(len(rels) + 1):
-        culprit, error = _first_broken(root, rels)
+        culprit, error = _first_broken(tree, rels)
         if culprit is None:
             return
         if culprit not in versions:
-            print(f"guard: {culprit} does not import ({error}). It is not written by this "
-                  "chapter: fix it in the chapter that writes it, or restore the reference with "
-                  "`python tools/workbook.py reset NN` (it backs yours up first).")
+            print(f"guard: {culprit} does not import ({error}). This chapter does not write it: "
+                  "fix it in the chapter that does, or restore the reference with `make reset "
+                  "CH=NN` (it keeps yours in .history/ first).")
             return
-        saved = wb.backup(root, [culprit]) / culprit
-        (root / culprit).write_text(versions[culprit], encoding="utf-8")
-        _WRITTEN[culprit] = wb.sha256(versions[culprit].encode("utf-8"))
-        print(f"guard: {culprit} did not import ({error}), which would stop every cell that "
-              f"imports its package before this notebook's cell for it runs. Saved it to "
-              f"{saved.relative_to(root).as_posix()} and put this notebook's version of it in "
-              "its place; your cell for it writes your code again when you run it.")
+        kept = write_module(tree / culprit, versions[culprit], tree=tree, root=root)
+        print(f"guard: {culprit} did not import ({error}); this notebook's version of it is in "
+              f"its place until your cell for it runs (yours is kept in "
+              f"{kept.relative_to(tree) if kept else '.history/'}).")
 
 
-def guard(chapter: str, *, root: Path | None = None) -> None:
-    """The first cell of every chapter notebook: the workbook's %%writefile (which backs up work
-    before replacing it), the package folders this chapter writes, and no module of this chapter
-    left unimportable by an earlier run."""
-    root = Path(root) if root else repo_root()
+def guard(chapter: str, *, root: Path | None = None, cwd: Path | None = None) -> None:
+    """The first cell of every chapter notebook: the workbook's %%writefile, the package folders
+    this chapter writes, and no module of this chapter left unimportable by an earlier run.
+
+    Where the notebook runs decides what its cells write: solutions/ writes the reference in the
+    repository's minisgl/, workspace/notebooks/ writes the learner's package workspace/minisgl/.
+    The generated learner copies in notebooks/ run only under the workbook's tests
+    (MINISGL_WORKBOOK_TEST=1): a learner opening one is sent to their workspace copy."""
+    cwd = (Path(cwd) if cwd else Path.cwd()).resolve()
     nn = wb.chapter_id(chapter)
+    root, tree = (Path(root) if root else repo_root()).resolve(), notebook_tree(cwd)
+    if cwd == root / "notebooks" and not wb.env_flag(TEST_ENV):
+        name = next((p.name for p in (root / "notebooks").glob(f"{nn}_*.ipynb")), f"{nn}_*.ipynb")
+        raise wb.WorkbookError(
+            f"this is notebooks/{name}, the generated copy the tests run; your own copy is "
+            f"workspace/notebooks/{name}. Run `make lab` (it creates workspace/ the first time) "
+            "and open it there: its cells write your package, workspace/minisgl/.")
     register_writefile()
-    from_solutions = Path.cwd().name == "solutions"
+    from_solutions = cwd.name == "solutions"
     versions = {rel: pair[0] if from_solutions else pair[1]
                 for rel, pair in wb.chapter_versions(root, nn).items()}
     if not versions:
         print(f"guard: chapter {nn} writes no modules (no solutions/{nn}_*.ipynb); nothing to do")
         return
     for rel in versions:
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-    _set_aside_broken(root, versions, nn)
-    if not from_solutions:
-        print("guard: this notebook's %%writefile cells write your own code into ../minisgl/ "
-              "(a file holding other work is copied to .workbook-backup/ first); `git diff "
-              f"minisgl/` shows your changes, `python tools/workbook.py reset {nn}` restores the "
-              "reference.")
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+    _set_aside_broken(tree, versions, root)
+    if tree != root:
+        check_earlier_chapters(nn, root)
+        print(f"guard: this notebook's cells write your package, {tree.name}/minisgl/; each "
+              f"version a cell replaces is kept in {tree.name}/.history/.")
+
+
+def earlier_chapters(nn: str, root: Path) -> list[str]:
+    """The chapters whose modules chapter NN uses: those its tests `require(...)` (every
+    chapter before it for the Engine and the milestone), in order."""
+    files = sorted((root / "tests").glob(f"test_ch{nn}_*.py"))
+    text = files[0].read_text(encoding="utf-8") if files else ""
+    if re.search(r"require\(\*", text):  # require(*EARLIER...): all chapters 01.. before NN
+        return [f"{n:02d}" for n in range(1, int(nn))
+                if any((root / "tests").glob(f"test_ch{n:02d}_*.py"))]
+    found = re.search(r"require\(([^)]*)\)", text)
+    return re.findall(r"\d\d", found[1]) if found else []
+
+
+class EarlierChapterError(Exception):
+    """An earlier chapter's module, which this chapter uses, fails that chapter's checks."""
+
+
+def check_earlier_chapters(nn: str, root: Path) -> None:
+    """Run the quick checks (tests/test_chMM_*.py's quick_check) of the chapters chapter NN
+    uses, on this notebook's package; stop at the first that fails, naming its exercise."""
+    tests = str(root / "tests")
+    added = tests not in sys.path
+    if added:
+        sys.path.append(tests)
+    try:
+        import prereq
+
+        for mm in earlier_chapters(nn, root):
+            try:
+                prereq._load_test_module(mm).quick_check()
+            except Exception as exc:  # noqa: BLE001 - any failure means that chapter is broken
+                found = re.search(r"Exercise \d+\.\d+", str(exc))
+                where = found[0] if found else f"chapter {mm}'s exercises"
+                name = next((p.name for p in (root / "notebooks").glob(f"{mm}_*.ipynb")), mm)
+                raise EarlierChapterError(
+                    f"this chapter uses chapter {mm}'s modules, and they fail chapter {mm}'s own "
+                    f"checks: {type(exc).__name__}: {exc}\nLook at {where} in notebooks/{name} of "
+                    f"your workspace, run its cell again, then this cell; or go on with the "
+                    f"reference for now: `make reset CH={mm}` (it keeps your version in "
+                    ".history/).") from None
+            finally:
+                reload_minisgl()
+    finally:
+        if added:
+            sys.path.remove(tests)
 
 
 def reload_minisgl() -> None:
@@ -194,25 +289,50 @@ def reload_minisgl() -> None:
 
 
 SKIP_ENV = "MINISGL_SKIP_CHAPTER_TESTS"
+TEST_ENV = "MINISGL_WORKBOOK_TEST"  # set by the workbook's own test runs
+CHAPTER_TESTS_TIMEOUT_S = 1800
 
 
-def run_chapter_tests(chapter: str, *extra_args: str, root: Path | None = None) -> None:
-    """Run tests/test_chNN_*.py with pytest and print its output; AssertionError if any fail."""
+def run_tests(*args: str, root: Path | None = None, cwd: Path | None = None,
+              failure: str = "the tests failed: read the first failure above") -> str:
+    """Run `pytest -q -p no:cacheprovider ARGS` in the repository on this notebook's package
+    (workspace/minisgl/ from the learner's copy), print its output, and raise AssertionError
+    with `failure` when a test fails. Returns the output."""
+    root = Path(root) if root else repo_root()
+    tree = notebook_tree(cwd)
+    env = dict(os.environ)
+    if tree != root.resolve():
+        env[wb.PACKAGE_ENV] = str(tree)  # tests/conftest.py puts this tree's minisgl/ first
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, check=False,
+                              timeout=CHAPTER_TESTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the tests ran past {CHAPTER_TESTS_TIMEOUT_S} s and were stopped: a "
+                             "loop in your code may never end; run them in a terminal to see "
+                             f"where (`.venv/bin/python -m pytest -x {' '.join(args)}`)") from exc
+    print(proc.stdout, end="" if proc.stdout.endswith("\n") else "\n")
+    if proc.returncode != 0:
+        raise AssertionError(failure)
+    return proc.stdout
+
+
+def run_chapter_tests(chapter: str, *extra_args: str, root: Path | None = None,
+                      cwd: Path | None = None) -> None:
+    """Run tests/test_chNN_*.py with pytest on this notebook's package (workspace/minisgl/ from
+    the learner's copy) and print its output; AssertionError if any fail."""
     root = Path(root) if root else repo_root()
     nn = wb.chapter_id(chapter)
     pattern = f"tests/test_ch{nn}_*.py"
     files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").glob(pattern[6:]))
     if not files:
         raise FileNotFoundError(f"no test file matches {pattern} in {root}")
-    if os.environ.get(SKIP_ENV) == "1":  # the full test suite runs these files itself
+    if wb.env_flag(SKIP_ENV):  # the full test suite runs these files itself
         print(f"chapter {nn}: tests not re-run here ({SKIP_ENV}=1: `make test` runs "
               f"{', '.join(files)} in its own step)")
         return
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", *files, *extra_args]
-    proc = subprocess.run(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, check=False)
-    print(proc.stdout, end="" if proc.stdout.endswith("\n") else "\n")
-    if proc.returncode != 0:
-        raise AssertionError(f"chapter {nn}'s tests failed: read the first failure above; "
-                             "it names the exercise to fix")
+    run_tests("-x", *files, *extra_args, root=root, cwd=cwd,
+              failure=f"chapter {nn}'s tests failed: read the first failure above; it names the "
+                      "exercise to fix")
     print(f"chapter {nn}: all tests passed")

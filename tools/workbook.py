@@ -2,9 +2,10 @@
 
     python tools/workbook.py build        strip solutions/, regenerate minisgl/ and notebooks/
     python tools/workbook.py check        verify the tree (CI); changes nothing
-    python tools/workbook.py status       exit 1 if minisgl/ or notebooks/ hold your own work
+    python tools/workbook.py workspace    create workspace/ (the learner's notebooks and package)
+    python tools/workbook.py adopt REF    copy the learner's files kept in git into workspace/
     python tools/workbook.py reset NN [--notebook]
-                                          restore chapter NN's reference files (backs up yours)
+                                          put chapter NN's reference into workspace/ (keeps yours)
 
 The chapter notebooks `solutions/NN_slug.ipynb` write the package with
 `%%writefile ../minisgl/<path>.py` cells. Exercise regions inside function bodies look like
@@ -14,9 +15,10 @@ The chapter notebooks `solutions/NN_slug.ipynb` write the package with
         # END SOLUTION
 
 and become `raise NotImplementedError("Exercise 4.2: write k and v into the pool")` in the learner
-copy `notebooks/NN_slug.ipynb`. `tools/workbook-manifest.json` records the sha256 of every file
-`build` generated, so that `build` never overwrites a learner's own work. Outputs are stripped
-and checked by nbstripout (`build` runs it in place, `check` runs `nbstripout --verify`).
+copy `notebooks/NN_slug.ipynb`. minisgl/ and notebooks/ are generated only: the learner works in
+workspace/ (git-ignored), which no tool but `workspace`, `adopt` and `reset` writes, and those
+keep what they replace in workspace/.history/. Outputs are stripped and checked by nbstripout
+(`build` runs it in place, `check` runs `nbstripout --verify`).
 
 This module must import quickly (tools/nbtools.py uses it from notebooks): nbformat and nbstripout
 are imported only inside the functions that need them.
@@ -29,6 +31,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import posixpath
 import re
 import shlex
@@ -41,16 +44,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MANIFEST = "tools/workbook-manifest.json"
-BACKUP_DIR = ".workbook-backup"
+WORKSPACE = "workspace"  # the learner's own notebooks and package (git-ignored)
+HISTORY = ".history"  # earlier versions of a tree's files, by path (git-ignored)
+PACKAGE_ENV = "MINISGL_PACKAGE_TREE"  # the tests import minisgl/ from this folder when set
 SKIP_TAG = "skip-execution"
 NB_NAME = re.compile(r"^(\d\d)_.+\.ipynb$")
 MARKER = re.compile(r"^([ \t]*)#[ \t]*(BEGIN|END) SOLUTION\b(.*)$")
 HEADER = re.compile(r"^\s+(\d+)\.(\d+)\s*:\s*(\S.*?)\s*$")
+# The first line of a `%%writefile -a` cell: which part of its module the cell writes. A module
+# is its first cell's body (part 1) followed by parts 2, 3, ... in order; the marker lines stay in
+# the file as plain comments, so the workbook's %%writefile can replace one part in place.
+PART = re.compile(r"^# --- part (\d+): (\S.*?) ---[ \t]*$")
 
 
 class WorkbookError(Exception):
     """A user-facing error: the CLI prints it and exits with code 2."""
+
+
+# The tools' MINISGL_* variables. They run before set-up, when minisgl.utils' reader (the one the
+# package uses) may not import, so they have this small equivalent: the same rules, the same
+# kind of message (the variable, its value, what it accepts).
+def env_flag(name: str) -> bool:
+    """A MINISGL_* switch: unset, "" or "0" is off, "1" is on; anything else is refused."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise WorkbookError(f"{name}={value!r}: use 1 (on) or 0 (off), or unset it")
+    return value == "1"
+
+
+def env_folder(name: str, must_hold: str) -> Path | None:
+    """A MINISGL_* folder: None when unset; refused unless it is a folder holding `must_hold`."""
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not (path / must_hold).is_dir():
+        raise WorkbookError(f"{name}={value!r}: not a folder holding {must_hold}/; give one "
+                            f"(for example the workbook's workspace/), or unset it")
+    return path.resolve()
 
 
 @dataclass
@@ -99,7 +130,8 @@ def chapter_id(chapter: str | int) -> str:
 def parse_writefile(source: str) -> tuple[str, str, list[str]] | None:
     """Split a `%%writefile` cell into (target, body, errors); None for any other cell.
 
-    target is relative to the repository root ("minisgl/x/y.py"); "" when invalid.
+    target is relative to the repository root ("minisgl/x/y.py"); "" when invalid. Whether the
+    cell appends (`-a`) is `is_append(source)`.
     """
     first, _, body = source.partition("\n")
     if not first.startswith("%%writefile"):
@@ -109,9 +141,10 @@ def parse_writefile(source: str) -> tuple[str, str, list[str]] | None:
         args = shlex.split(first[len("%%writefile"):])
     except ValueError as exc:
         return "", body, [f"cannot parse `{first}`: {exc}"]
-    if any(a in ("-a", "--append") for a in args):
-        errors.append("`%%writefile -a` (append) is not allowed: write each file from one cell")
     paths = [a for a in args if not a.startswith("-")]
+    flags = [a for a in args if a.startswith("-") and a not in ("-a", "--append")]
+    if flags:
+        errors.append(f"`{first.strip()}`: unknown option {flags[0]} (only -a is understood)")
     if len(paths) != 1:
         errors.append(f"`{first.strip()}` must name exactly one file")
     else:
@@ -123,7 +156,39 @@ def parse_writefile(source: str) -> tuple[str, str, list[str]] | None:
         else:
             errors.append(f"`{paths[0]}`: the target must be a .py, .cpp or .h file under "
                           "../minisgl/")
+    if is_append(source) and not PART.match(body.partition("\n")[0]):
+        errors.append("a `%%writefile -a` cell's first line must be a part marker, "
+                      "`# --- part N: title ---`")
     return target, body, errors
+
+
+def is_append(source: str) -> bool:
+    """Whether a `%%writefile` cell appends a part to its module (`-a`)."""
+    first = source.partition("\n")[0]
+    try:
+        return any(a in ("-a", "--append") for a in shlex.split(first[len("%%writefile"):]))
+    except ValueError:
+        return False
+
+
+def split_parts(text: str) -> tuple[str, dict[int, str]]:
+    """A module's text as (part 1, {N: part N}) from its part marker lines."""
+    head, parts, current = [], {}, None
+    for line in text.splitlines(keepends=True):
+        m = PART.match(line.rstrip("\r\n"))
+        if m:
+            current = int(m[1])
+            parts[current] = ""
+        if current is None:
+            head.append(line)
+        else:
+            parts[current] += line
+    return "".join(head), parts
+
+
+def join_parts(head: str, parts: dict[int, str]) -> str:
+    """The inverse of split_parts: part 1, then the other parts in their order."""
+    return head + "".join(parts[n] for n in sorted(parts))
 
 
 def written_content(body: str) -> str:
@@ -185,7 +250,9 @@ def parse_chapter(nn: str, name: str, nb: dict) -> Chapter:
     """Parse a solution notebook (any dict in nbformat 4 shape) into what it generates."""
     chap = Chapter(nn, name, learner=json.loads(json.dumps(nb)))
     test_call = re.compile(r"run_chapter_tests\(\s*[\"']" + nn + r"[\"']")
-    writer: dict[str, int] = {}
+    writer: dict[str, int] = {}  # module -> the cell that starts it
+    parts: dict[str, int] = {}  # module -> parts written so far
+    last = ""  # the module the latest %%writefile cell wrote
     for i, cell in enumerate(chap.learner.get("cells", [])):
         src, where = cell_source(cell), f"solutions/{name} cell {i}"
         parsed = parse_writefile(src) if cell.get("cell_type") == "code" else None
@@ -202,11 +269,26 @@ def parse_chapter(nn: str, name: str, nb: dict) -> Chapter:
             if eid in chap.bodies:
                 chap.problems.append(f"{where}: duplicate exercise id {eid} in chapter {nn}")
             chap.bodies[eid] = text
-        if target in writer:
+        if target and is_append(src):
+            marker = PART.match(body.partition("\n")[0])
+            if target not in writer:
+                chap.problems.append(f"{where}: `%%writefile -a` before the cell that starts "
+                                     f"{target}; write its part 1 with `%%writefile` first")
+            elif last != target:
+                chap.problems.append(f"{where}: a part of {target} after {last}'s cell; the parts "
+                                     f"of a module follow its first cell (cell {writer[target]})")
+            elif marker and int(marker[1]) != parts[target] + 1:
+                chap.problems.append(f"{where}: part {marker[1]} of {target}; the next part is "
+                                     f"{parts[target] + 1}")
+            else:
+                parts[target] += 1
+                chap.modules[target] += written_content(body)
+        elif target in writer:
             chap.problems.append(f"{where}: {target} is already written by cell {writer[target]}")
         elif target:
-            writer[target] = i
+            writer[target], parts[target] = i, 1
             chap.modules[target] = written_content(body)
+        last = target or last
         first, sep, _ = src.partition("\n")
         cell["source"] = first + sep + stubbed
         tags = cell.setdefault("metadata", {}).setdefault("tags", [])
@@ -222,11 +304,12 @@ def chapter_versions(root: Path, nn: str) -> dict[str, tuple[str, str]]:
     if path is None:
         return {}
     chap = parse_chapter(nn, path.name, read_json(path))
-    stubs = {}
+    stubs: dict[str, str] = {}
     for cell in chap.learner.get("cells", []):
         parsed = parse_writefile(cell_source(cell)) if cell.get("cell_type") == "code" else None
         if parsed and parsed[0]:
-            stubs[parsed[0]] = written_content(parsed[1])
+            before = stubs.get(parsed[0], "") if is_append(cell_source(cell)) else ""
+            stubs[parsed[0]] = before + written_content(parsed[1])
     return {rel: (text, stubs.get(rel, text)) for rel, text in chap.modules.items()}
 
 
@@ -329,21 +412,6 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def load_manifest(root: Path) -> dict[str, str]:
-    """The manifest: generated path -> sha256 of what `build` last wrote."""
-    path = root / MANIFEST
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-
-
-def save_manifest(root: Path, manifest: dict[str, str]) -> None:
-    """Write the manifest (sorted, stable) if it changed."""
-    path = root / MANIFEST
-    text = json.dumps(dict(sorted(manifest.items())), indent=2) + "\n"
-    if not path.exists() or path.read_text(encoding="utf-8") != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-
-
 def read_bytes(path: Path) -> bytes | None:
     """File content, or None when missing."""
     return path.read_bytes() if path.is_file() else None
@@ -362,15 +430,33 @@ def extra_files(root: Path, generated) -> list[str]:
     return sorted(set(found) - set(generated))
 
 
-def backup(root: Path, rels: list[str]) -> Path:
-    """Copy files (paths relative to root) into a new .workbook-backup/<timestamp>/ folder. The
-    backup folder holds a `.gitignore` of `*`, so git never offers to commit it."""
-    (root / BACKUP_DIR).mkdir(exist_ok=True)
-    (root / BACKUP_DIR / ".gitignore").write_text("*\n", encoding="utf-8")
-    dest = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=root / BACKUP_DIR))
-    for rel in rels:
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / rel, dest / rel)
+def read_text(path: Path) -> str:
+    """A file's text (UTF-8), or a WorkbookError that names the file and the fix."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise WorkbookError(f"{path}: not UTF-8 text; restore it (`git checkout -- {path}` for a "
+                            "tracked file) or move it away") from None
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write text (UTF-8), creating parent folders."""
+    write_file(path, text.encode("utf-8"))
+
+
+def keep_history(tree: Path, path: Path, data: str | bytes) -> Path | None:
+    """Keep `data`, a version of `path` (inside `tree`) about to be replaced, as
+    <tree>/.history/<path>/<time>-<hash><suffix>. A version already kept is not copied again
+    (returns None then). The history folder ignores itself in git."""
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    rel = path.resolve().relative_to(tree.resolve())
+    folder = tree / HISTORY / rel
+    digest = sha256(data)[:10]
+    if any(folder.glob(f"*-{digest}{path.suffix}")):
+        return None
+    write_text(tree / HISTORY / ".gitignore", "*\n")
+    dest = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{digest}{path.suffix}"
+    write_file(dest, data)
     return dest
 
 
@@ -392,19 +478,10 @@ def strip_solutions(root: Path) -> list[str]:
 # ----------------------------------------------------------------------------- commands
 
 
-def keep_or_discard(rel: str, nn: str) -> str:
-    """Advice for a file of chapter NN that holds the learner's work."""
-    keep = ("keep it: `git stash push --include-untracked -- minisgl notebooks` (later: `git "
-            "stash pop`)")
-    if rel.startswith("notebooks/"):
-        how = f"move it away, or `python tools/workbook.py reset {nn} --notebook`"
-    else:
-        how = f"`python tools/workbook.py reset {nn}` (backs up, then restores its modules)"
-    return f"  {rel}\n      {keep}\n      discard it: {how}"
-
-
 def build(root: Path = ROOT) -> int:
-    """Strip solutions/, regenerate minisgl/ and notebooks/ without overwriting learner work."""
+    """Strip solutions/, regenerate minisgl/ and notebooks/ (generated only: nothing of a
+    learner's lives there, their work is in workspace/). Deletes nothing; `check` names files
+    that no notebook writes any more."""
     for rel in strip_solutions(root):
         print(f"build: stripped outputs from {rel}")
     gen = generate(root)
@@ -413,36 +490,12 @@ def build(root: Path = ROOT) -> int:
         print(f"build: {len(gen.problems)} problem(s) in solutions/; nothing generated",
               file=sys.stderr)
         return 1
-    manifest = load_manifest(root)
-    written = unchanged = removed = 0
-    blocked = []
+    written = 0
     for rel, data in sorted(gen.files.items()):
-        current = read_bytes(root / rel)
-        if current == data:
-            unchanged += 1
-        elif current is not None and sha256(current) != manifest.get(rel):
-            blocked.append(rel)
-            continue
-        else:
+        if read_bytes(root / rel) != data:
             write_file(root / rel, data)
             written += 1
-        manifest[rel] = sha256(data)
-    for rel in sorted(set(manifest) - set(gen.files)):
-        current = read_bytes(root / rel)
-        if current is not None and sha256(current) == manifest[rel]:
-            (root / rel).unlink()
-            removed += 1
-        elif current is not None:
-            print(f"build: {rel} is no longer generated but holds your changes; left it in place")
-        del manifest[rel]
-    save_manifest(root, manifest)
-    print(f"build: {written} files written, {unchanged} unchanged" +
-          (f", {removed} removed" if removed else ""))
-    if blocked:
-        print(f"build: left {len(blocked)} file(s) alone: they hold your own work (they differ "
-              "from what build generated last time and from what it generates now):")
-        print("\n".join(keep_or_discard(rel, gen.origin[rel]) for rel in blocked))
-        return 1
+    print(f"build: {written} files written, {len(gen.files) - written} unchanged")
     return 0
 
 
@@ -514,8 +567,6 @@ def check(root: Path = ROOT) -> int:
         notes.append("check: note: no chapter notebooks in solutions/; skipped the "
                      "'written by no notebook' rule for minisgl/")
     problems += notebook_problems(root, gen)
-    if load_manifest(root) != {rel: sha256(data) for rel, data in gen.files.items()}:
-        problems.append(f"{MANIFEST}: out of date; run `python tools/workbook.py build`")
     for line in notes + problems:
         print(line)
     if problems:
@@ -526,150 +577,229 @@ def check(root: Path = ROOT) -> int:
     return 0
 
 
-def learner_work(root: Path) -> list[str]:
-    """Files under minisgl/ or notebooks/ that `build` did not write: a generated file whose hash
-    is not the one recorded in the manifest, or a file no notebook generates. Needs no nbformat,
-    so it works on a fresh machine before set-up."""
-    manifest = load_manifest(root)
-    current = {rel: read_bytes(root / rel) for rel in sorted(manifest)}
-    work = [rel for rel, data in current.items()
-            if data is not None and sha256(data) != manifest[rel]]
-    return work + extra_files(root, manifest)
+# ----------------------------------------------------------------------------- the workspace
+#
+# The learner works in workspace/ (git-ignored): workspace/notebooks/ holds their copies of the
+# chapters, whose `../minisgl/` is workspace/minisgl/, their own package. No tool writes there
+# except `workspace` (it adds files that are missing, never replaces one), `adopt` and `reset`
+# (each keeps what it replaces in workspace/.history/ first).
 
 
-def module_chapters(root: Path) -> dict[str, str]:
-    """Generated path -> chapter NN, read from solutions/ without nbformat (for `status`)."""
-    owner = {}
-    for nn, path in solution_notebooks(root)[0].items():
-        owner[f"notebooks/{path.name}"] = nn
-        try:
-            cells = read_json(path).get("cells", [])
-        except (OSError, ValueError):
-            continue
-        for cell in cells:
-            parsed = parse_writefile(cell_source(cell)) if cell.get("cell_type") == "code" else None
-            if parsed and parsed[0]:
-                owner[parsed[0]] = nn
-    return owner
+def learner_copy(data: bytes) -> bytes:
+    """A learner notebook as the workspace holds it: its %%writefile cells without the
+    `skip-execution` tag, so that any way of running it (JupyterLab, nbclient, nbconvert,
+    papermill) writes the learner's cells, stubs included, as JupyterLab does."""
+    nb = json.loads(data.decode("utf-8"))
+    for cell in nb.get("cells", []):
+        tags = cell.get("metadata", {}).get("tags")
+        if isinstance(tags, list) and SKIP_TAG in tags:
+            tags.remove(SKIP_TAG)
+            if not tags:
+                del cell["metadata"]["tags"]
+    return (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def git_states(root: Path, rels: list[str]) -> dict[str, str] | None:
-    """For each path: "uncommitted" (changed or not in git) or "committed"; None without git."""
+def git_blob(root: Path, ref: str, rel: str) -> bytes | None:
+    """The bytes of `rel` at git `ref`, or None (not there, or no git)."""
     import subprocess
 
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "-z", "--untracked-files=all",
-                              "--", *rels], cwd=root, capture_output=True, timeout=60)
+        out = subprocess.run(["git", "show", f"{ref}:{rel}"], cwd=root, capture_output=True,
+                             timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
-        return None
-    dirty = {entry[3:] for entry in out.stdout.decode("utf-8", "replace").split("\0") if entry[3:]}
-    return {rel: "uncommitted" if rel in dirty else "committed" for rel in rels}
+    return out.stdout if out.returncode == 0 else None
 
 
-def status_advice(root: Path, work: list[str]) -> list[str]:
-    """Commands that set the learner's work aside, for the situation the files are in: changed
-    and not committed (stash them), committed on this branch (a branch keeps them; `reset`
-    restores the reference), notebooks (`reset NN --notebook`), files no notebook writes (move)."""
-    owner = module_chapters(root)
-    states = git_states(root, work)
-    chapters: dict[str, bool] = {}  # NN -> a notebook of it is among the work
-    extra = []
-    for rel in work:
-        if rel in owner:
-            chapters[owner[rel]] = chapters.get(owner[rel], False) or rel.startswith("notebooks/")
-        else:
-            extra.append(rel)
-    # `make reset` sets up .venv first: the advice works before `make setup` too
-    resets = {nn: f"make reset CH={nn}" + (" NB=1" if nb else "") for nn, nb in sorted(chapters.items())}
-    moves = {rel: f"mkdir -p ../my-minisgl-work && mv {rel} ../my-minisgl-work/" for rel in extra}
-    lines = ["`make test` rewrites minisgl/ and notebooks/, so it stops here. To go on:"]
-    uncommitted = [rel for rel in work if states is None or states[rel] == "uncommitted"]
-    committed = [rel for rel in work if rel not in uncommitted]
-    if states is not None and uncommitted:
-        lines += ["  keep your uncommitted work in git's stash:",
-                  "      git stash push --include-untracked -- minisgl notebooks"
-                  "      # later: git stash pop"]
-    if committed:
-        lines.append("  your committed files stay in git's history: restore the reference now "
-                     "(each file is copied to .workbook-backup/ first), and after the tests "
-                     "`git restore minisgl notebooks` brings yours back:")
-        owned = sorted({owner[rel] for rel in committed if rel in owner})
-        lines += [f"      {resets[nn]}" for nn in owned]
-        lines += [f"      {moves[rel]}" for rel in committed if rel in moves]
-    if uncommitted:
-        lines.append(("  or set it all aside" if states is not None else "  set it aside") +
-                     f" (each file is copied to {BACKUP_DIR}/ first, then the reference is "
-                     "restored):")
-        lines += [f"      {cmd}" for cmd in [*resets.values(), *moves.values()]]
-    return lines
+def _put(root: Path, rel: str, data: bytes, why: str) -> str:
+    """Write `data` at workspace/<rel>, keeping a different version there in .history/."""
+    ws = root / WORKSPACE
+    dest = ws / rel
+    old = read_bytes(dest)
+    if old == data:
+        return f"  {WORKSPACE}/{rel}: already holds it"
+    kept = None
+    if old is not None:
+        kept = keep_history(ws, dest, old)
+    write_file(dest, data)
+    return f"  {WORKSPACE}/{rel}: {why}" + (f" (its previous version: {kept.relative_to(root)})"
+                                           if kept else "")
 
 
-def status(root: Path = ROOT) -> int:
-    """Exit 1 (with advice) when minisgl/ or notebooks/ hold the learner's own work. (A file that
-    is merely out of date, generated from an older solutions/, is `check`'s business.)"""
-    work = learner_work(root)
-    if not work:
-        print("status: clean")
-        return 0
-    print("status: these files hold your own work (they differ from what "
-          "`python tools/workbook.py build` generated):")
-    states = git_states(root, work) or {}
-    print("\n".join(f"  {rel}" + (f"   ({states[rel]})" if rel in states else "") for rel in work))
-    print("\n".join(status_advice(root, work)))
-    return 1
+def workspace(root: Path = ROOT) -> int:
+    """Create workspace/ or add what it lacks: the learner copies of the chapters and the
+    reference package, for files that are missing there (never replacing one). Work a learner
+    left in the tracked minisgl/ or notebooks/ (the earlier layout: a file that differs both from
+    what `build` generates and from git's HEAD) is moved in: copied into workspace/, then the
+    tracked file is regenerated."""
+    gen = generate(root)
+    if gen.problems:
+        raise WorkbookError(f"{gen.problems[0]} (`python tools/workbook.py check` lists every "
+                            "problem); restore it with `git checkout -- solutions/`")
+    ws = root / WORKSPACE
+    created = not ws.exists()
+    added, moved = 0, []
+    for rel, data in sorted(gen.files.items()):
+        current = read_bytes(root / rel)
+        if current is not None and current != data and current != git_blob(root, "HEAD", rel):
+            copy = learner_copy(current) if rel.endswith(".ipynb") else current
+            moved.append(_put(root, rel, copy, f"your work, moved from {rel}"))
+            if read_bytes(ws / rel) == copy:  # safely there: regenerate the tracked file
+                write_file(root / rel, data)
+        if not (ws / rel).exists():
+            write_file(ws / rel, learner_copy(data) if rel.endswith(".ipynb") else data)
+            added += 1
+    scratch = [f"notebooks/{p.name}" for p in (root / "notebooks").glob("_*.ipynb")]
+    for rel in extra_files(root, gen.files) + scratch:
+        if not (ws / rel).exists():  # a scratch notebook or a module of the learner's own
+            moved.append(_put(root, rel, (root / rel).read_bytes(), f"your file, copied from {rel}"))
+    write_text(ws / ".gitignore", "*\n")
+    models = ws / "models"  # the notebooks read ../models/: the repository's prepared weights
+    if not models.exists() and not models.is_symlink():
+        models.symlink_to(Path("..") / "models", target_is_directory=True)
+    print(f"workspace: {'created' if created else 'up to date:'} {WORKSPACE}/"
+          + (f" ({added} files added)" if added else "")
+          + f". Your notebooks are in {WORKSPACE}/notebooks/ (`make lab` opens them).")
+    if moved:
+        print("workspace: your work from the earlier layout is in your workspace now:")
+        print("\n".join(moved))
+    return 0
+
+
+def adopt(root: Path, ref: str) -> int:
+    """Copy the learner's files kept in git (a stash such as stash@{0}, a branch or a commit)
+    under minisgl/ and notebooks/ into workspace/: every file that `ref` changed or added against
+    its base (a stash's parent, or the merge base with HEAD), a stash's untracked files
+    included. What it replaces in workspace/ is kept in workspace/.history/."""
+    import subprocess
+
+    def git(*args: str, ok: bool = False) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                 timeout=60)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise WorkbookError(f"git {' '.join(args)}: {exc}") from None
+        if out.returncode != 0:
+            if ok:
+                return None
+            raise WorkbookError(f"`git {' '.join(args)}` failed ({out.stderr.strip()}); name a "
+                                "stash (`git stash list`), a branch or a commit")
+        return out.stdout.strip()
+
+    commit = git("rev-parse", "--verify", "--end-of-options", f"{ref}^{{commit}}")
+    is_stash = commit in (git("stash", "list", "--format=%H", ok=True) or "").split()
+    base = git("rev-parse", f"{commit}^1") if is_stash else git("merge-base", commit, "HEAD")
+    untracked = git("rev-parse", "--verify", "-q", f"{commit}^3", ok=True) if is_stash else None
+    if not (root / WORKSPACE).exists():
+        workspace(root)
+    lines = []
+    changed = git("diff", "--name-only", "--no-renames", "--diff-filter=AM", base, commit, "--",
+                  "minisgl", "notebooks")
+    sources = [(commit, rel) for rel in changed.splitlines() if rel]
+    if untracked:
+        listed = git("ls-tree", "-r", "--name-only", untracked, "--", "minisgl", "notebooks")
+        sources += [(untracked, rel) for rel in listed.splitlines() if rel]
+    for tree, rel in sources:
+        data = git_blob(root, tree, rel)
+        if data is not None:
+            copy = learner_copy(data) if rel.endswith(".ipynb") and not rel.startswith(
+                "notebooks/_") else data
+            lines.append(_put(root, rel, copy, f"your version from {ref}"))
+    print(f"adopt: {len(lines)} file(s) from {ref}" + (":" if lines else "; nothing to copy"))
+    if lines:
+        print("\n".join(lines))
+    return 0
 
 
 def reset(root: Path, chapter: str, notebook: bool = False) -> int:
-    """Restore chapter NN's reference modules (and with notebook=True its learner notebook).
-
-    Every file that differs from the reference is first copied to .workbook-backup/<timestamp>/.
-    """
+    """Put chapter NN's reference modules (and with notebook=True its learner notebook) into
+    workspace/, keeping every file it replaces in workspace/.history/ first."""
     nn = chapter_id(chapter)
     gen = generate(root)
     chap = gen.chapters.get(nn)
     if chap is None:
+        unreadable = [p for p in gen.problems if p.startswith(f"solutions/{nn}_")]
+        if unreadable:
+            raise WorkbookError(f"{unreadable[0]}; restore it (`git checkout -- solutions/`)")
         have = ", ".join(sorted(gen.chapters)) or "none (solutions/ has no NN_slug.ipynb)"
         raise WorkbookError(f"unknown chapter {chapter!r}; chapters that exist: {have}")
     if chap.problems:
-        raise WorkbookError("fix solutions/ first:\n" + "\n".join(chap.problems))
+        raise WorkbookError(f"fix solutions/ first: {chap.problems[0]}")
     rels = sorted(rel for rel, o in gen.origin.items()
                   if o == nn and (notebook or rel.startswith("minisgl/")))
-    differing = [rel for rel in rels if read_bytes(root / rel) not in (None, gen.files[rel])]
-    if differing:
-        dest = backup(root, differing)
-        for rel in differing:
-            print(f"reset: saved your {rel} to {(dest / rel).relative_to(root).as_posix()}")
-    manifest = load_manifest(root)
-    for rel in rels:
-        write_file(root / rel, gen.files[rel])
-        manifest[rel] = sha256(gen.files[rel])
-    save_manifest(root, manifest)
-    what = "modules and notebook" if notebook else "modules"
-    print(f"reset: restored chapter {nn}'s reference {what} ({len(rels)} files, "
-          f"{len(differing)} backed up)")
+    lines = [_put(root, rel, learner_copy(gen.files[rel]) if rel.endswith(".ipynb")
+                  else gen.files[rel], "the reference") for rel in rels]
+    changed = [line for line in lines if not line.endswith("already holds it")]
+    if changed:
+        print("\n".join(changed))
+    print(f"reset: chapter {nn}'s {'modules and notebook' if notebook else 'modules'} in "
+          f"{WORKSPACE}/ are the reference now" + (f"; what they replaced is in "
+                                                   f"{WORKSPACE}/{HISTORY}/" if changed else ""))
     return 0
 
 
-def need_packages(command: str, args: str, chapter: str | None, notebook: bool) -> None:
-    """`build`, `check` and `reset` read notebooks with nbformat and nbstripout: under a Python
-    that lacks them (the plain `python3` of a fresh machine), say which Python has them."""
+def need_packages(command: str, args: str) -> None:
+    """The commands read notebooks with nbformat and nbstripout: under a Python that lacks them
+    (the plain `python3` of a fresh machine), say which Python has them."""
     missing = [name for name in ("nbformat", "nbstripout") if not _importable(name)]
     if missing:
-        make = {"build": "make workbook", "check": "make check",
-                "reset": f"make reset CH={chapter}" + (" NB=1" if notebook else "")}[command]
         raise WorkbookError(
             f"`{command}` needs the workbook's packages ({', '.join(missing)} missing from "
             f"{sys.executable}). Run it with the workbook's Python, `.venv/bin/python "
-            f"tools/workbook.py {args}`, or as `{make}` "
-            "(which creates .venv first when it is missing).")
+            f"tools/workbook.py {args}`, or through make (`make setup` creates .venv).")
 
 
 def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def file_error(exc: BaseException) -> str:
+    """One line for a file-system failure: which file, what is wrong, what to do."""
+    import errno
+
+    name = getattr(exc, "filename", None) or getattr(exc, "filename2", None) or "a file"
+    if isinstance(exc, PermissionError):
+        return (f"{name}: not writable (read-only, or owned by another user); make it writable "
+                f"(`chmod u+w {name}`) or work in a copy you own")
+    if isinstance(exc, IsADirectoryError):
+        return f"{name}: a folder stands where a file belongs; move that folder away"
+    if isinstance(exc, NotADirectoryError):
+        return f"{name}: a file stands where a folder belongs; move that file away"
+    if isinstance(exc, FileNotFoundError):
+        return f"{name}: missing; restore it (`git checkout -- {name}` for a tracked file)"
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return f"{name}: the disk is full; free some space, then run the command again"
+    if isinstance(exc, UnicodeError):
+        return (f"{name}: not UTF-8 text ({exc.reason if hasattr(exc, 'reason') else exc}); "
+                "restore it (`git checkout -- FILE` for a tracked file) or move it away")
+    if isinstance(exc, json.JSONDecodeError):
+        return (f"a notebook is not valid JSON ({exc.msg} at line {exc.lineno}); restore it with "
+                "`git checkout -- FILE` or move it away")
+    return f"{name}: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+
+
+def check_root(root: Path) -> Path:
+    """`--root` must be a workbook checkout: a folder holding solutions/ and tools/."""
+    if not root.exists():
+        raise WorkbookError(f"--root {root}: no such folder; give the workbook's folder (the one "
+                            "holding solutions/ and tools/)")
+    if not root.is_dir():
+        raise WorkbookError(f"--root {root}: a file, not a folder; give the workbook's folder")
+    if not (root / "solutions").is_dir() or not (root / "tools").is_dir():
+        raise WorkbookError(f"--root {root}: not a workbook (no solutions/ and tools/ in it); "
+                            "run from the workbook's folder or give it with --root")
+    return root
+
+
+COMMANDS = {
+    "build": "strip solutions/, regenerate minisgl/ and notebooks/",
+    "check": "verify the tree; exit 1 listing every problem",
+    "workspace": "create workspace/ (your notebooks and package) or add what it lacks",
+    "adopt": "copy your files kept in git (a stash, a branch, a commit) into workspace/",
+    "reset": "put chapter NN's reference modules into workspace/ (keeps yours in .history/)",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -679,23 +809,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: "
                         "the checkout holding this file)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("build", help="strip solutions/, regenerate minisgl/ and notebooks/")
-    sub.add_parser("check", help="verify the tree; exit 1 listing every problem")
-    sub.add_parser("status", help="exit 1 if minisgl/ or notebooks/ hold your own work")
-    p = sub.add_parser("reset", help="restore chapter NN's reference modules (backs yours up)")
-    p.add_argument("chapter", help="chapter number, e.g. 04")
-    p.add_argument("--notebook", action="store_true", help="also restore notebooks/NN_*.ipynb")
+    parsers = {name: sub.add_parser(name, help=text) for name, text in COMMANDS.items()}
+    parsers["adopt"].add_argument("ref", help="a stash (stash@{0}), a branch or a commit")
+    parsers["reset"].add_argument("chapter", help="chapter number, e.g. 04")
+    parsers["reset"].add_argument("--notebook", action="store_true",
+                                  help="also workspace/notebooks/NN_*.ipynb")
     args = parser.parse_args(argv)
-    root = args.root.resolve()
     try:
-        if args.command != "status":
-            need_packages(args.command, shlex.join(sys.argv[1:] if argv is None else argv),
-                          getattr(args, "chapter", None), getattr(args, "notebook", False))
+        root = check_root(args.root.resolve())
+        need_packages(args.command, shlex.join(sys.argv[1:] if argv is None else argv))
         if args.command == "reset":
             return reset(root, args.chapter, args.notebook)
-        return {"build": build, "check": check, "status": status}[args.command](root)
+        if args.command == "adopt":
+            return adopt(root, args.ref)
+        return {"build": build, "check": check, "workspace": workspace}[args.command](root)
     except WorkbookError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, UnicodeError, ValueError) as exc:
+        print(f"error: {file_error(exc)}", file=sys.stderr)
         return 2
 
 

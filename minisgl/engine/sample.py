@@ -17,6 +17,7 @@ from typing import NamedTuple, Tuple
 import torch
 
 from minisgl.core import Batch, Req
+from minisgl.sampling_params import check_sampling_params
 
 
 class BatchSamplingArgs(NamedTuple):
@@ -75,7 +76,10 @@ class Sampler:
         """Per-request parameters as tensors (reads ``batch.reqs`` only: dummies have none)."""
         params = [r.sampling_params for r in batch.reqs]
         for r, p in zip(batch.reqs, params):
-            if p is not None and p.top_k > self.vocab_size:
+            if p is None:
+                continue
+            check_sampling_params(p, f"Req(uid={r.uid}).sampling_params")  # changed since?
+            if p.top_k > self.vocab_size:
                 raise ValueError(f"Req(uid={r.uid}): top_k={p.top_k} exceeds the vocabulary "
                                  f"({self.vocab_size} tokens); use -1 for no top-k cut.")
         if all(p is None or p.is_greedy for p in params):

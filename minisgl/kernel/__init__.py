@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.layers.rotary import _rotation_targets
+from minisgl.utils.env import EnvVarError
 
 from .build import KernelBuildError, cache_dir, load_or_build
 
@@ -48,16 +49,20 @@ def load() -> ModuleType | None:
         try:
             _MODULE = load_or_build(flags)
             return _MODULE
+        except EnvVarError:  # a MINISGL_* setting the user must fix: not a fallback
+            raise
         except KernelBuildError as e:  # a busy or foreign cache: a clear message already
             errors.append(str(e))
+            advice = ""  # the message says what to do; a compiler is not the problem
             break
         except Exception as e:  # no compiler, no ninja, a compile error
             last = (str(e).strip().splitlines() or [""])[-1]
             errors.append(f"{type(e).__name__}: {last[:200]}")
+            advice = (" The kernels need a C++ compiler (g++ or clang) and ninja "
+                      "(`pip install ninja`).")
     _FAILED = errors[-1]
     print(f"minisgl.kernel: the C++ kernels could not be built ({_FAILED}); the Engine runs the "
-          "chapters' torch code. The kernels need a C++ compiler (g++ or clang) and ninja "
-          "(`pip install ninja`).", file=sys.stderr, flush=True)
+          f"chapters' torch code.{advice}", file=sys.stderr, flush=True)
     return None
 
 

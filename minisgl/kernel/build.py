@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .cache import (SOURCE, KernelBuildError, _locked, _private_dir, build_key, cache_dir,
-                    source_bytes)
+                    lock_timeout, source_bytes)
 
 __all__ = ["KernelBuildError", "build_key", "cache_dir", "load_or_build", "source_bytes"]
 
@@ -77,9 +77,9 @@ def load_or_build(flags: list[str]) -> ModuleType:
     """The compiled module for ``flags``: a verified cached library, or a fresh build."""
     key = build_key(source_bytes(), flags)
     name = f"minisgl_cpu_kernels_{key}"
-    _private_dir(cache_dir())
-    folder = _private_dir(cache_dir() / key)
-    timeout = float(os.environ.get("MINISGL_KERNEL_LOCK_TIMEOUT", "300"))
+    root, timeout = cache_dir(), lock_timeout()  # the settings first: a bad value touches nothing
+    _private_dir(root)
+    folder = _private_dir(root / key)
     with _locked(folder, timeout):
         lib = _verified(folder, name)
         if lib is not None:

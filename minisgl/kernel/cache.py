@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from minisgl.utils.env import read_env
+
 SOURCE = Path(__file__).with_name("csrc.cpp")  # it #includes the headers in csrc/
 
 
@@ -37,8 +39,15 @@ def source_bytes() -> bytes:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MINISGL_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "minisgl" / "kernels"
+    """``$MINISGL_KERNEL_CACHE``, else ``~/.cache/minisgl/kernels`` (a bad value is refused)."""
+    root = read_env("MINISGL_KERNEL_CACHE", Path)
+    return root if root is not None else Path.home() / ".cache" / "minisgl" / "kernels"
+
+
+def lock_timeout() -> float:
+    """How long to wait for another builder: ``$MINISGL_KERNEL_LOCK_TIMEOUT`` seconds, finite and
+    at most a day (``nan``, ``inf`` or ``-1`` would wait forever or never), default 300."""
+    return read_env("MINISGL_KERNEL_LOCK_TIMEOUT", float, 300.0, low=0, high=86400)
 
 
 def _cpu_id() -> str:
@@ -58,8 +67,16 @@ def build_key(source: bytes, flags: list[str]) -> str:
 
 def _private_dir(path: Path) -> Path:
     """Create ``path`` (and its parents) readable by this user only; refuse another user's."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
+    if path.exists() and not path.is_dir():
+        raise KernelBuildError(f"the kernel cache {path} is a file, not a folder: set "
+                               "MINISGL_KERNEL_CACHE to a folder (or move that file away).")
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as e:
+        raise KernelBuildError(f"cannot create the kernel cache folder {path} "
+                               f"({e.strerror or e}): set MINISGL_KERNEL_CACHE to a folder you "
+                               "can write.") from None
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
         raise KernelBuildError(f"the kernel cache {path} belongs to another user: set "
                                "MINISGL_KERNEL_CACHE to a folder of your own.")
