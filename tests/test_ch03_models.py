@@ -181,6 +181,32 @@ def test_config_defaults_match_hf():
     assert cfg.rotary_config.scaling is None
 
 
+@pytest.mark.parametrize("case", ["None fields", "GQA without head_dim", "nested text_config"])
+def test_config_optional_fields_none_or_nested(case):
+    """Optional fields may be absent, present but None, or live in a nested text_config."""
+    kw = {"hidden_size": 96, "num_attention_heads": 6, "num_hidden_layers": 2,
+          "intermediate_size": 64, "vocab_size": 100, "rms_norm_eps": 1e-5,
+          "max_position_embeddings": 128}
+    if case == "None fields":  # HF keeps the attribute and stores None: fall back all the same
+        cfg, want = SimpleNamespace(**kw, num_key_value_heads=None, head_dim=None), (6, 6, 16)
+    elif case == "GQA without head_dim":
+        cfg, want = SimpleNamespace(**kw, num_key_value_heads=2), (6, 2, 16)
+    else:  # a multimodal config: the language model's numbers are in text_config
+        cfg = SimpleNamespace(text_config=SimpleNamespace(**kw, num_key_value_heads=2, head_dim=24),
+                              architectures=["LlamaForCausalLM"])
+        want = (6, 2, 24)
+    try:
+        c = ModelConfig.from_hf(cfg)
+    except Exception as e:
+        raise AssertionError(f"Exercise 3.1 ({case}): ModelConfig.from_hf raised "
+                             f"{type(e).__name__} ({e})") from e
+    got = (c.num_qo_heads, c.num_kv_heads, c.head_dim)
+    assert got == want, (
+        f"Exercise 3.1 ({case}): (Hq, Hkv, D) should be {want}, got {got}. A missing or None "
+        "num_key_value_heads means Hkv = Hq; a missing or None head_dim means hidden_size // Hq; "
+        "read both from `text` (config.text_config when the config has one)")
+
+
 def test_config_reads_older_rope_fields():
     """Configs written before transformers 5 keep rope_theta and rope_scaling apart."""
     hf = hf_config("tiny-llama3-rope")
@@ -300,11 +326,21 @@ def test_load_weight_streams(name, monkeypatch):
     assert read == [], "load_weight read tensors before the first next(): open files lazily"
     used = 0  # checkpoint tensors that went into what was yielded so far
     worst = 0
-    for key, tensor in gen:
-        assert isinstance(key, str) and isinstance(tensor, torch.Tensor)
-        used += {"qkv_proj": 3, "gate_up_proj": 2}.get(key.split(".")[-2], 1)
-        worst = max(worst, len(read) - used)
-    assert used == len(read), f"{name}: read {len(read)} tensors but yielded parts of {used}"
+    try:
+        for key, tensor in gen:
+            assert isinstance(key, str) and isinstance(tensor, torch.Tensor)
+            used += {"qkv_proj": 3, "gate_up_proj": 2}.get(key.split(".")[-2], 1)
+            worst = max(worst, len(read) - used)
+    except AssertionError:
+        raise
+    except Exception as e:
+        raise AssertionError(f"Exercise 3.4 ({name}): load_weight raised {type(e).__name__} ({e}). "
+                             "Once all parts of a fused tensor are in, yield it and delete its "
+                             "pending entry; qkv has 3 parts, gate_up 2") from e
+    assert used == len(read), (
+        f"Exercise 3.4 ({name}): load_weight read {len(read)} checkpoint tensors but what it "
+        f"yielded accounts for {used}: yield each merged tensor under its fused name "
+        "(...qkv_proj.weight, ...gate_up_proj.weight), every other tensor under its own")
     assert worst <= 3, (
         f"Exercise 3.4 ({name}): at one point {worst} tensors had been read but not yet yielded. "
         "Yield each fused tensor as soon as its last part arrives (at most k_proj + q_proj waiting "
@@ -314,7 +350,11 @@ def test_load_weight_streams(name, monkeypatch):
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_load_weight_merges_like_hf(name):
     hf_sd = hf_model(name).state_dict()
-    got = dict(load_weight(model_path(name)))
+    try:
+        got = dict(load_weight(model_path(name)))
+    except Exception as e:
+        raise AssertionError(f"Exercise 3.4 ({name}): load_weight raised {type(e).__name__} "
+                             f"({e})") from e
     tied = hf_config(name).tie_word_embeddings
     for key, t in hf_sd.items():
         if key == "lm_head.weight" and tied:
@@ -370,6 +410,64 @@ def expected_shard(key: str, full: torch.Tensor, hf_cfg, rank: int, tp: int) -> 
     return full  # norms: every rank has the whole vector
 
 
+def shard_by_hand(name, t, c, rank, tp):
+    """Rank ``rank``'s part of checkpoint tensor ``name``, head by head (independent of _shard)."""
+    rest, d = t.shape[1:], c.head_dim
+    if ".q_proj." in name:
+        n = c.num_qo_heads // tp
+        return t.view(c.num_qo_heads, d, *rest)[rank * n:(rank + 1) * n].reshape(-1, *rest)
+    if ".k_proj." in name or ".v_proj." in name:
+        heads = t.view(c.num_kv_heads, d, *rest)
+        if c.num_kv_heads >= tp:
+            n = c.num_kv_heads // tp
+            return heads[rank * n:(rank + 1) * n].reshape(-1, *rest)
+        # the KV head that this rank's first query head reads
+        return heads[rank * (c.num_qo_heads // tp) // (c.num_qo_heads // c.num_kv_heads)]
+    if ".gate_proj." in name or ".up_proj." in name:
+        return t.chunk(tp, 0)[rank]
+    if ".o_proj." in name or ".down_proj." in name:
+        return t.chunk(tp, 1)[rank]
+    if "embed_tokens" in name or "lm_head" in name:
+        n = -(-c.vocab_size // tp)
+        return torch.cat([t, t.new_zeros(n * tp - t.shape[0], *rest)])[rank * n:(rank + 1) * n]
+    return t
+
+
+@pytest.mark.parametrize("hq,hkv,tp", [(4, 2, 2), (8, 2, 4), (4, 1, 2), (8, 4, 2), (8, 1, 4)])
+def test_shard_matches_a_hand_split(hq, hkv, tp):
+    """_shard alone (Exercise 3.3) on small named tensors, weights and 1-D biases, fewer KV heads
+    than ranks included; V = 10 is not divisible by every tp."""
+    c = SimpleNamespace(num_qo_heads=hq, num_kv_heads=hkv, head_dim=2, hidden_size=5,
+                        intermediate_size=12, vocab_size=10)
+    shapes = {"self_attn.q_proj.weight": (hq * 2, 5), "self_attn.q_proj.bias": (hq * 2,),
+              "self_attn.k_proj.weight": (hkv * 2, 5), "self_attn.k_proj.bias": (hkv * 2,),
+              "self_attn.v_proj.weight": (hkv * 2, 5), "self_attn.v_proj.bias": (hkv * 2,),
+              "self_attn.o_proj.weight": (5, hq * 2), "mlp.gate_proj.weight": (12, 5),
+              "mlp.up_proj.weight": (12, 5), "mlp.down_proj.weight": (5, 12),
+              "input_layernorm.weight": (5,)}
+    named = {f"model.layers.0.{k}": v for k, v in shapes.items()}
+    named.update({"model.embed_tokens.weight": (10, 5), "lm_head.weight": (10, 5)})
+    for name, shape in named.items():
+        t = torch.arange(1.0, 1.0 + torch.Size(shape).numel()).view(shape)
+        for rank in range(tp):
+            where = f"{name} {tuple(shape)}, Hq={hq}, Hkv={hkv}, rank {rank} of tp={tp}"
+            try:
+                got = weight_mod._shard(name, t, c, DistributedInfo(rank, tp))
+            except Exception as e:
+                raise AssertionError(f"Exercise 3.3 (_shard) raised {type(e).__name__} on {where} "
+                                     f"({e})") from e
+            want = shard_by_hand(name, t, c, rank, tp)
+            kv = ".k_proj." in name or ".v_proj." in name
+            hint = (f"fewer KV heads than ranks: each rank keeps one whole KV head ([D] for a bias, "
+                    f"[D, in] for a weight), head rank * Hkv // tp = {rank * hkv // tp}"
+                    if kv and hkv < tp else
+                    "q/k/v and gate/up split their rows, o_proj/down_proj their columns, the "
+                    "vocabulary its rows padded to ceil(V / tp), norms stay whole")
+            assert got.shape == want.shape and torch.equal(got, want), (
+                f"Exercise 3.3 (_shard) on {where}: got a {tuple(got.shape)} tensor, expected "
+                f"{tuple(want.shape)}; {hint}")
+
+
 @pytest.mark.parametrize("name,tp", [("tiny-llama", 2), ("tiny-qwen2", 2), ("tiny-qwen3", 2),
                                      ("tiny-qwen3", 4), ("tiny-llama", 4)])
 def test_sharding_for_tp(name, tp):
@@ -382,6 +480,13 @@ def test_sharding_for_tp(name, tp):
             try:  # the shapes must be what chapter 02's layers of this rank expect
                 build_meta(name).load_state_dict(dict(shard))
             except (KeyError, ValueError, RuntimeError) as e:
+                qkv = shard.get("model.layers.0.self_attn.qkv_proj.weight")
+                whole = (hf_cfg.num_attention_heads + 2 * hf_cfg.num_key_value_heads) * hf_cfg.head_dim
+                if qkv is not None and qkv.shape[0] == whole:  # _shard itself passed its own test
+                    pytest.fail(f"Exercise 3.4 ({name}, rank {rank} of {tp}): load_weight yielded "
+                                f"the whole fused qkv_proj ({whole} rows) to one rank of {tp}: pass "
+                                "every checkpoint tensor through _shard BEFORE merging (a fused "
+                                f"name is not one _shard knows). {e}", pytrace=False)
                 pytest.fail(f"Exercise 3.3 ({name}, rank {rank} of {tp}): the sharded tensors do "
                             f"not fit the rank's layers: {e}\nq/k/v are split by heads (with fewer "
                             "KV heads than ranks, each rank keeps one whole KV head), gate/up by "

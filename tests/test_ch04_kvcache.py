@@ -105,6 +105,17 @@ def assert_pool_equals(pool: MHAKVCache, ref, out_loc: torch.Tensor, what: str) 
                 f"offset {s % ps}) holds the wrong {kind}: {why}. {len(bad)} slot(s) differ.")
 
 
+def named(exercise: str, fn, *args, **kwargs):
+    """Call the learner's function; an error raised inside it names the exercise."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        if exercise in str(e):
+            raise
+        raise AssertionError(f"{exercise}: {getattr(fn, '__name__', fn)} raised "
+                             f"{type(e).__name__} ({e})") from e
+
+
 def make_req(ids: list[int], row: int, cached: int, uid: int, output_len: int = 4) -> Req:
     return Req(input_ids=torch.tensor(ids, dtype=torch.int32), table_idx=row, cached_len=cached,
                output_len=output_len, uid=uid, sampling_params=None)
@@ -130,7 +141,7 @@ def test_store_kv_writes_each_token_into_its_slot_only(ps, index_dtype):
     for step, (layer, T) in enumerate([(1, 11), (2, 5), (1, 1)]):  # prefill-ish, then decode-ish
         k, v = strided_kv(T, seed=10 * ps + step)
         out_loc = torch.randperm(num_pages * ps, generator=gen(step))[:T].to(index_dtype)
-        pool.store_kv(k, v, out_loc, layer)
+        named("Exercise 4.1", pool.store_kv, k, v, out_loc, layer)
         reference_store(ref, k, v, out_loc, layer, ps)
         assert_pool_equals(pool, ref, out_loc, f"page_size={ps}, {index_dtype} out_loc, "
                            f"store {step} ({T} token(s) into layer {layer})")
@@ -142,7 +153,7 @@ def test_store_kv_keeps_the_pool_dtype():
     ref = snapshot(pool)
     k, v = strided_kv(6, dtype=torch.bfloat16)
     out_loc = torch.tensor([31, 0, 5, 4, 17, 12], dtype=torch.int32)
-    pool.store_kv(k, v, out_loc, 0)
+    named("Exercise 4.1", pool.store_kv, k, v, out_loc, 0)
     reference_store(ref, k, v, out_loc, 0, ps)
     assert pool.dtype == torch.bfloat16 and pool.k_cache(0).dtype == torch.bfloat16, (
         f"the pool was built with bfloat16 but holds {pool.k_cache(0).dtype} now: store_kv must "
@@ -167,7 +178,7 @@ def test_dummy_page_absorbs_padding_writes():
         f"create_page_table: the dummy row (row {max_req}) must hold dummy_slot={dummy_slot} in "
         f"every entry, got {table[max_req, :4].tolist()}...")
     k, v = strided_kv(len(out_loc), seed=4)
-    pool.store_kv(k, v, out_loc, 2)
+    named("Exercise 4.1", pool.store_kv, k, v, out_loc, 2)
     real = len(out_loc) - 3
     reference_store(ref, k[:real], v[:real], out_loc[:real], 2, ps)
     # the three padding rows race for one slot: any of them may win, nothing else may change
@@ -190,7 +201,7 @@ def test_k_cache_and_v_cache_are_views_of_the_pool():
                 f"= {(5, 4, HKV, D)}")
     kc, vc = pool.k_cache(2), pool.v_cache(2)  # taken *before* the store
     k, v = strided_kv(2, seed=7)
-    pool.store_kv(k, v, torch.tensor([9, 0], dtype=torch.int32), 2)
+    named("Exercise 4.1", pool.store_kv, k, v, torch.tensor([9, 0], dtype=torch.int32), 2)
     assert torch.equal(kc[2, 1], k[0].reshape(HKV, D)) and torch.equal(vc[0, 0], v[1].reshape(HKV, D)), (
         "k_cache(2) / v_cache(2) taken before store_kv do not show what it wrote into slots 9 "
         "(page 2, offset 1) and 0: they must be views of the one pool buffer (index it, don't "
@@ -250,14 +261,14 @@ def test_page_table_and_token_pool_shapes(max_req, max_len):
 def test_pages_to_slots_matches_a_loop(ps, dtype):
     pages = torch.randperm(12, generator=gen(ps))[:7].to(dtype)
     want = [p * ps + off for p in pages.tolist() for off in range(ps)]
-    got = pages_to_slots(pages, ps)
+    got = named("Exercise 4.2", pages_to_slots, pages, ps)
     assert got.dtype == dtype, (
         f"Exercise 4.2 (pages_to_slots): slots keep the dtype of the pages ({dtype}), got "
         f"{got.dtype}; build the offsets with torch.arange(page_size, dtype=pages.dtype)")
     assert got.tolist() == want, (
         f"Exercise 4.2 (pages_to_slots): pages {pages.tolist()} with page_size={ps} should give "
         f"{want} (page p -> p*ps + 0 .. ps-1, page after page), got {got.tolist()}")
-    empty = pages_to_slots(torch.empty(0, dtype=dtype), ps)
+    empty = named("Exercise 4.2", pages_to_slots, torch.empty(0, dtype=dtype), ps)
     assert empty.numel() == 0, "Exercise 4.2 (pages_to_slots): no pages should give no slots"
 
 
@@ -299,11 +310,16 @@ def test_batch_helpers_match_loops(phase):
     if phase == "padded decode":  # two padding requests in the dummy row, as the GraphRunner adds
         reqs = reqs + [make_req([0], row=table.shape[0] - 1, cached=0, uid=-1, output_len=1)] * 2
     pos, loc, ids = loop_reference(table, pool, reqs)
+    rows = [r.table_idx for r in reqs for _ in range(r.extend_len)]
+    got_rows = named("Exercise 4.3", batch_row_map, reqs)
+    assert got_rows.dtype == torch.int64 and got_rows.tolist() == rows, (
+        f"Exercise 4.3 (batch_row_map), {phase}: each request's table_idx once per new token "
+        f"(extend_len times), as int64: expected {rows}, got {got_rows.dtype} {got_rows.tolist()}")
 
     got_pos = batch_positions(reqs)
     assert got_pos.dtype == torch.int32 and got_pos.tolist() == pos, (
         f"batch_positions ({phase}): expected int32 {pos}, got {got_pos.dtype} {got_pos.tolist()}")
-    got_loc = batch_out_loc(table, reqs)
+    got_loc = named("Exercise 4.3", batch_out_loc, table, reqs)
     assert not got_loc.dtype.is_floating_point and got_loc.tolist() == loc, (
         f"Exercise 4.3 (batch_out_loc), {phase}: token j must write slot page_table[row of its "
         f"request, its position]; expected {loc}, got {got_loc.tolist()}")
@@ -331,7 +347,7 @@ def test_batch_helpers_equal_the_milestone_lines():
 def test_batch_row_map_reads_table_idx_not_the_position_in_the_batch():
     _table, _pool, reqs = batch_setup()  # rows 2, 0, 3 in batch order; extend_len 5, 5, 1
     want = [r.table_idx for r in reqs for _ in range(r.extend_len)]
-    got = batch_row_map(reqs)
+    got = named("Exercise 4.3", batch_row_map, reqs)
     assert got.dtype == torch.int64 and got.tolist() == want, (
         f"Exercise 4.3 (batch_row_map): requests in rows 2, 0, 3 with extend_len 5, 5, 1 give "
         f"{want} (table_idx once per new token), got {got.dtype} {got.tolist()}")
@@ -345,7 +361,7 @@ def test_allocate_pages_grows_a_row_page_by_page(ps):
     req = make_req(list(range(3, 3 + 6)), row=2, cached=0, uid=0, output_len=40)
     taken, slots = [], []
     for step in range(12):  # prefill of 6 tokens, then 11 decode steps
-        got = allocate_pages(table, req, free, ps)
+        got = named("Exercise 4.4", allocate_pages, table, req, free, ps)
         want_new = -(-req.device_len // ps) - -(-req.cached_len // ps)
         assert len(got) == want_new, (
             f"Exercise 4.4 (allocate_pages), page_size={ps}: with cached_len={req.cached_len} and "
@@ -364,6 +380,31 @@ def test_allocate_pages_grows_a_row_page_by_page(ps):
             "Exercise 4.4 (allocate_pages): only row table_idx may change")
         req.complete_one()
         req.append_host(torch.tensor([7], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("ps", [2, 4])
+def test_allocate_pages_after_an_unaligned_prefix(ps):
+    """Several new tokens after a cached prefix that ends inside a page (a chunked prefill, a
+    prefix-cache hit): the new pages go at whole-page columns, the held page is kept."""
+    table = create_page_table(2, 32, dummy_slot=999)
+    free = [9, 4, 7, 1, 6, 2, 8, 3]
+    ids = list(range(3, 3 + 13))
+    named("Exercise 4.4", allocate_pages, table, make_req(ids[:5], row=1, cached=0, uid=0), free, ps)
+    held = -(-5 // ps)  # pages of the 5-token prefix
+    req = make_req(ids, row=1, cached=5, uid=0)  # 8 new tokens after it
+    got = named("Exercise 4.4", allocate_pages, table, req, free, ps)
+    need = -(-13 // ps)
+    pages = [9, 4, 7, 1, 6, 2, 8, 3][:need]  # hand loop: page j of the request holds j*ps ..
+    want_row = [p * ps + off for p in pages for off in range(ps)]
+    assert list(got) == pages[held:], (
+        f"Exercise 4.4 (allocate_pages), page_size={ps}: after a 5-token prefix (it holds "
+        f"ceil(5/{ps}) = {held} pages) 8 new tokens need ceil(13/{ps}) = {need} pages in all: "
+        f"it should take {pages[held:]}, took {list(got)}")
+    row = table[1, :len(want_row)].tolist()
+    assert row == want_row and not table[1, len(want_row):].any(), (
+        f"Exercise 4.4 (allocate_pages), page_size={ps}: row 1 should be {want_row} (the new "
+        f"pages at columns {held * ps}..{need * ps - 1}, whole pages, not from cached_len = 5), "
+        f"got {table[1, :len(want_row) + ps].tolist()}")
 
 
 # ----------------------------------------------------------------------------- quick check

@@ -193,14 +193,22 @@ def run_and_compare(env: Env, batch: Batch, what: str, after_prepare=None) -> li
     Engine's complete_one; the reference uses the lengths the requests had before it."""
     snaps = {r.uid: copy.copy(r) for r in batch.padded_reqs}
     inputs = [env.qkv(batch, layer) for layer in range(NUM_LAYERS)]
-    env.backend.prepare_metadata(batch)
+    try:
+        env.backend.prepare_metadata(batch)
+    except Exception as e:
+        raise AssertionError(f"Exercise 5.2: prepare_metadata raised {type(e).__name__} ({e}) on "
+                             f"{what}") from e
     assert batch.attn_metadata is not None, "prepare_metadata(batch) must set batch.attn_metadata"
     if after_prepare is not None:
         after_prepare()
     outs = []
     for layer, (q, k, v) in enumerate(inputs):
         t = q.shape[0]
-        o = env.backend.forward(q, k, v, layer, batch)
+        try:
+            o = env.backend.forward(q, k, v, layer, batch)
+        except Exception as e:
+            raise AssertionError(f"Exercise 5.3: forward raised {type(e).__name__} ({e}) on "
+                                 f"{what}, layer {layer}") from e
         assert tuple(o.shape) == (t, env.hq, env.d), (
             f"Exercise 5.3 (forward): output shape {tuple(o.shape)}, expected [T, Hq, D] = "
             f"{(t, env.hq, env.d)} ({what})")
@@ -211,7 +219,8 @@ def run_and_compare(env: Env, batch: Batch, what: str, after_prepare=None) -> li
             if r.uid >= 0:  # dummy rows are ignored
                 want = dense_reference(env, snap, layer).float()
                 got = o[start: start + n]
-                where = (f"{what}: layer {layer}, {describe(snap)} (rows {start}..{start + n - 1} "
+                where = (f"Exercise 5.3: {what}: layer {layer}, {describe(snap)} (rows "
+                         f"{start}..{start + n - 1} "
                          "of the output) differs from dense causal attention over its full "
                          f"sequence.\n{HINT}")
                 torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4,
@@ -272,9 +281,15 @@ def test_kv_slots_follow_the_page_table(ps):
     env = make_env(ps=ps, seed=ps)
     reqs = [env.add_req(0, 5), env.add_req(4, 7), env.add_req(13, 14)]
     batch = env.make_batch(reqs, "prefill", n_dummy=1)
-    env.backend.prepare_metadata(batch)
+    try:
+        env.backend.prepare_metadata(batch)
+    except Exception as e:
+        raise AssertionError(f"Exercise 5.2: prepare_metadata raised {type(e).__name__} ({e})") from e
     md = batch.attn_metadata
     bp, kmax = len(batch.padded_reqs), 14
+    assert md.kv_slots.dtype == torch.int64, (
+        f"Exercise 5.2: kv_slots is an index and must be int64 (chapter 07's decode kernel reads "
+        f"int64 slots), got {md.kv_slots.dtype}: add .long()")
     assert md.max_kv_len == kmax and md.kv_slots.numel() == bp * kmax, (
         f"Exercise 5.2: kv_slots should hold [Bp, Kmax] = [{bp}, {kmax}] slots (Kmax = longest "
         f"device_len), got {md.kv_slots.numel()} entries and max_kv_len={md.max_kv_len}")
@@ -574,6 +589,39 @@ def test_resolve_auto():
 
 
 # ----------------------------------------------------------------------------- quick check
+
+
+# ----------------------------------------------------------------------------- Exercise 5.4
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_page_indices_match_a_loop(ps):
+    """FlashInfer's page ids (optional Exercise 5.4) against a loop over requests and pages:
+    rows that are not the batch positions, partly filled last pages, a one-token dummy."""
+    from minisgl.attention.fi_metadata import page_indices
+    from minisgl.kvcache import create_page_table
+
+    table = create_page_table(4, 32, dummy_slot=40 * ps)
+    pages = torch.randperm(40, generator=torch.Generator().manual_seed(ps)).tolist()
+    for row in range(4):  # page-aligned rows, as the engine fills them
+        for j in range(32 // ps):
+            p = pages[(row * (32 // ps) + j) % 40]
+            table[row, j * ps:(j + 1) * ps] = torch.arange(p * ps, p * ps + ps, dtype=torch.int32)
+    rows, lens = [2, 0, 3, 4], [5, 9, 1, 1]  # the last one is the dummy's row
+    want = [int(table[r, j * ps]) // ps for r, n in zip(rows, lens) for j in range(-(-n // ps))]
+    try:
+        got = page_indices(table, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), ps)
+    except NotImplementedError as e:
+        if "Exercise 5.4" in str(e):
+            pytest.skip("Exercise 5.4 is optional and still its stub")
+        raise
+    except Exception as e:
+        raise AssertionError(f"Exercise 5.4: page_indices raised {type(e).__name__} ({e})") from e
+    assert got.dtype == torch.int32 and got.tolist() == want, (
+        f"Exercise 5.4 (page_indices), page_size={ps}: requests in rows {rows} with device_len "
+        f"{lens} span ceil(device_len / ps) pages each; page j of a request is "
+        f"page_table[table_idx, j * ps] // ps, j counted from 0 in every request: expected int32 "
+        f"{want}, got {got.dtype} {got.tolist()}")
 
 
 def quick_check() -> None:
