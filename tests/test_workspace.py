@@ -340,3 +340,22 @@ def test_the_first_cell_checks_the_earlier_chapters_it_uses(repo):
     res = subprocess.run([PY, "-c", code], cwd=ws / "notebooks", env=env, capture_output=True,
                          text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_a_crash_inside_an_earlier_chapters_exercise_is_named(repo):
+    """The earlier chapter's quick check does not name the exercise when the learner's code
+    raises: the first cell names it from the function the error came from."""
+    tool(repo, "workspace")
+    ws = repo / "workspace"
+    pool = ws / "minisgl" / "kvcache" / "mha_pool.py"
+    text = pool.read_text()
+    marker = "# BEGIN SOLUTION 4.1"
+    at = text.index(marker)
+    indent = text[text.rindex("\n", 0, at) + 1:at]
+    pool.write_text(text[:at] + "raise KeyError('oops')\n" + indent + text[at:])
+    code = ("import sys, pathlib; sys.path.insert(0, str(pathlib.Path.cwd().parent))\n"
+            "from tools.nbtools import guard\nguard('05')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MINISGL_PACKAGE_TREE",)}
+    res = subprocess.run([PY, "-c", code], cwd=ws / "notebooks", env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert res.returncode != 0 and "Exercise 4.1" in res.stderr, res.stderr[-3000:]

@@ -247,6 +247,32 @@ def earlier_chapters(nn: str, root: Path) -> list[str]:
     return re.findall(r"\d\d", found[1]) if found else []
 
 
+def _exercise_of_crash(exc: BaseException, nn: str, root: Path) -> str | None:
+    """'Exercise N.M' for an error raised inside the learner's code: the innermost frame in a
+    module of chapter NN whose function holds an exercise region in the reference."""
+    import ast
+    import traceback
+
+    versions = wb.chapter_versions(root, nn)
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        parts = Path(frame.filename).parts
+        if "minisgl" not in parts:
+            continue
+        rel = "/".join(parts[len(parts) - parts[::-1].index("minisgl") - 1:])
+        if rel not in versions:
+            continue
+        reference = versions[rel][0]
+        lines = reference.splitlines()
+        for node in ast.walk(ast.parse(reference)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == frame.name:
+                body = lines[node.lineno - 1:node.end_lineno]
+                ids = [m[1] for line in body if (m := wb.MARKER.match(line)) and m[2] == "BEGIN"
+                       and (m := re.search(r"(\d+\.\d+)", m[3]))]
+                if ids:
+                    return "Exercise " + " / ".join(dict.fromkeys(ids))
+    return None
+
+
 class EarlierChapterError(Exception):
     """An earlier chapter's module, which this chapter uses, fails that chapter's checks."""
 
@@ -266,7 +292,8 @@ def check_earlier_chapters(nn: str, root: Path) -> None:
                 prereq._load_test_module(mm).quick_check()
             except Exception as exc:  # noqa: BLE001 - any failure means that chapter is broken
                 found = re.search(r"Exercise \d+\.\d+", str(exc))
-                where = found[0] if found else f"chapter {mm}'s exercises"
+                where = found[0] if found else _exercise_of_crash(exc, mm, root) or (
+                    f"chapter {mm}'s exercises")
                 name = next((p.name for p in (root / "notebooks").glob(f"{mm}_*.ipynb")), mm)
                 raise EarlierChapterError(
                     f"this chapter uses chapter {mm}'s modules, and they fail chapter {mm}'s own "
