@@ -99,6 +99,7 @@ def test_no_tool_of_the_test_command_writes_the_workspace(repo):
     env = {**os.environ, "MINISGL_WORKBOOK_TEST": "1", "MINISGL_SKIP_CHAPTER_TESTS": "1"}
     env.pop("MINISGL_PACKAGE_TREE", None)
     res = subprocess.run([PY, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+                          "--ExecutePreprocessor.timeout=300",
                           "--output", str(repo.parent / "out.ipynb"),
                           "solutions/01_req_batch_context.ipynb"], cwd=repo, env=env,
                          capture_output=True, text=True, timeout=600, check=False)
@@ -223,6 +224,7 @@ def test_a_headless_run_of_a_learner_copy_never_passes_with_stubs(repo, name):
                                                             "MINISGL_PACKAGE_TREE")}
     env["MINISGL_SKIP_CHAPTER_TESTS"] = "1"
     res = subprocess.run([PY, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+                          "--ExecutePreprocessor.timeout=300",
                           "--output", str(repo.parent / "out.ipynb"), name],
                          cwd=repo / "workspace" / "notebooks", env=env, capture_output=True,
                          text=True, timeout=900, check=False)
