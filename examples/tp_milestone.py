@@ -86,10 +86,12 @@ def milestone_rank(rank: int, tp_size: int, model: str, n: int, page_size: int,
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    fail = os.environ.get(FAIL_ENV)
+    from minisgl.utils import read_env
+
+    fail = read_env(FAIL_ENV, int, None, low=0)
     engine = Engine(engine_config(model, rank, tp_size, page_size, len(prompts)))
     try:
-        outs = generate(engine, tok, prompts, n, fail_rank=int(fail) if fail else None)
+        outs = generate(engine, tok, prompts, n, fail_rank=fail)
     finally:
         engine.shutdown()
     if rank == 0:

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def _is_count(value: Any) -> bool:
+def is_count(value: Any) -> bool:
     """A whole number given as an integer (bool is an int in Python, but never a count)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+_is_count = is_count  # the earlier private name
 
 
 def _is_real(value: Any) -> bool:
@@ -41,7 +44,7 @@ def check_sampling_params(params: "SamplingParams", where: str = "SamplingParams
                              f"a float such as {name}={example}.")
     for name, example in (("top_k", "40 (-1 for no top-k cut)"), ("max_tokens", "64")):
         value = getattr(params, name)
-        if not _is_count(value):
+        if not is_count(value):
             raise TypeError(f"{where}: {name}={value!r} is not an integer; pass a whole "
                             f"number such as {name}={example}.")
     if not isinstance(params.ignore_eos, bool):

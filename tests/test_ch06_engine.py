@@ -774,3 +774,187 @@ def quick_check() -> None:
 
 def test_quick_check():
     quick_check()
+
+
+# ----------------------------------------------------------------------------- by class (issue 22)
+def _prepare_by_hand(params, vocab):
+    """Sampler.prepare's table, row by row: (temperatures, top_k, top_p) or None."""
+    greedy = [p is None or p.is_greedy for p in params]
+    if all(greedy):
+        return None
+    temps = [1e-6 if g else p.temperature for p, g in zip(params, greedy)]
+    ks = [1 if g else (vocab if p.top_k == -1 else p.top_k) for p, g in zip(params, greedy)]
+    ps = [1.0 if p is None else p.top_p for p in params]
+    return (temps, ks if any(k != vocab for k in ks) else None,
+            ps if any(q < 1.0 for q in ps) else None)
+
+
+@pytest.mark.parametrize("params", [
+    [None, SamplingParams(temperature=0.9, top_k=3, top_p=0.5), SamplingParams(temperature=1.1)],
+    [SamplingParams(temperature=0.6, top_k=V - 1), SamplingParams(temperature=0.6)],
+    [SamplingParams(temperature=0.5, top_k=V), SamplingParams(temperature=2.0, top_p=1.0)],
+    [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9)],
+], ids=["none-and-cuts", "top-k-v-minus-1", "top-k-v-is-no-cut", "greedy-next-to-top-p"])
+def test_prepare_matches_the_table(params):
+    """Every row's tensors, their dtypes and the None shortcuts, against the table of 6.2."""
+    args = Sampler(torch.device("cpu"), V).prepare(
+        Batch(reqs=[sampling_req(p, i) for i, p in enumerate(params)], phase="decode"))
+    want = _prepare_by_hand(params, V)
+    dtypes = (torch.float32, torch.int32, torch.float32)
+    for name, w, dtype in zip(("temperatures", "top_k", "top_p"), want, dtypes):
+        got = getattr(args, name)
+        if w is None:
+            assert got is None, (f"Exercise 6.2 (Sampler.prepare): no row cuts by {name}, so it "
+                                 f"stays None; got {got}")
+            continue
+        assert got is not None and got.dtype == dtype, (
+            f"Exercise 6.2: {name} must be a {dtype} tensor (a row cuts by it), got "
+            f"{None if got is None else got.dtype}")
+        assert torch.allclose(got.double(), torch.tensor(w, dtype=torch.float64), rtol=1e-5,
+                              atol=0), (
+            f"Exercise 6.2: {name} should be {w}, got {got.tolist()} (a request without params "
+            "is greedy: 1e-6 and top_k 1; top_k -1 is vocab_size)")
+
+
+def test_pad_batch_leaves_the_requests_alone():
+    """Padding builds a new list; batch.reqs keeps exactly the batch's requests (any sizes)."""
+    dummy = Req(input_ids=torch.tensor([0], dtype=torch.int32), table_idx=9, cached_len=0,
+                output_len=1, uid=-1, sampling_params=None)
+    runner = GraphRunner(torch.device("cpu"), None, None, None, None, 64, V, dummy)
+    runner.graph_bs_list, runner.max_graph_bs = [3, 6], 6
+    reqs = [sampling_req(SamplingParams(), i) for i in range(5)]
+    for b, want in ((1, 3), (3, 3), (4, 6), (5, 6)):
+        batch = Batch(reqs=reqs[:b], phase="decode")
+        runner.pad_batch(batch)
+        assert batch.reqs == reqs[:b], (
+            f"Exercise 6.3 (pad_batch): batch.reqs changed to {len(batch.reqs)} requests; build "
+            "padded_reqs as a new list, batch.reqs + dummies")
+        assert len(batch.padded_reqs) == want, (
+            f"Exercise 6.3: a decode batch of {b} with graphs for [3, 6] pads to {want}, got "
+            f"{len(batch.padded_reqs)}")
+
+
+def test_init_builds_in_order_in_the_engines_dtype(monkeypatch):
+    """Watch the helpers _init calls: tp info and rope device before the model, the model on
+    meta in the Engine's dtype, free memory read before the weights load; then the parts."""
+    import dataclasses
+
+    import minisgl.engine.engine as engine_module
+    from minisgl.layers import get_rope_device, set_rope_device
+    from minisgl.utils import align_ceil
+
+    _shutdown_live()
+    config = make_config("tiny-qwen3", page_size=4, dtype=torch.bfloat16, max_running_req=3,
+                         num_page_override=None, memory_ratio=0.5, max_seq_len_override=256)
+    probe = Engine(dataclasses.replace(config, num_page_override=8))
+    weights = engine_module.nbytes(probe.model.state_dict().values())
+    probe.shutdown()
+    per_page = config.kv_cache_bytes_per_page
+    free = int(2 * (weights + 20.5 * per_page))  # memory_ratio 0.5 leaves room for 20 pages
+    events, loaded = [], {"bytes": 0}
+
+    def wrap(name):
+        real = getattr(engine_module, name)
+
+        def spy(*args, **kwargs):
+            if name == "available_memory":
+                events.append((name, None))
+                return free - loaded["bytes"]  # as a GPU reports it: loaded weights are not free
+            seen = None
+            if name == "create_model":
+                seen = (torch.empty(0).device.type, torch.get_default_dtype(), try_get_tp_info(),
+                        get_rope_device())
+            events.append((name, seen))
+            out = real(*args, **kwargs)
+            if name == "weight_state_dict":
+                loaded["bytes"] = sum(t.numel() * t.element_size() for t in out.values())
+            return out
+        monkeypatch.setattr(engine_module, name, spy)
+
+    for name in ("available_memory", "create_model", "weight_state_dict"):
+        wrap(name)
+    set_rope_device("meta")  # stale: _init must set the Engine's device
+    engine = Engine(config)
+    try:
+        names = [n for n, _ in events]
+        device, dtype, tp, rope = next(seen for n, seen in events if n == "create_model")
+        assert tp == config.tp_info, "Exercise 6.4 (_init): set_tp_info before create_model"
+        assert rope == engine.device, (
+            f"Exercise 6.4: the model was built with the rope device {rope}: call "
+            "set_rope_device(self.device) before create_model")
+        assert device == "meta", "Exercise 6.4: build the model under torch.device('meta')"
+        assert dtype == torch.bfloat16, (
+            f"Exercise 6.4: build the model under torch_dtype(config.dtype), got {dtype}")
+        assert names.index("available_memory") < names.index("weight_state_dict"), (
+            "Exercise 6.4: read available_memory before the weights load")
+        P = min(int((0.5 * free - weights) // per_page), -(-3 * 256 // 4))
+        assert engine.num_pages == P, f"Exercise 6.4/6.6: {engine.num_pages} pages, expected {P}"
+        assert engine.ctx.page_size == 4, "Exercise 6.4: Context(page_size=config.page_size)"
+        assert engine.kv_cache.dtype == torch.bfloat16, "Exercise 6.4: the pool in the dtype"
+        msl = min(256, P * 4)
+        assert engine.max_seq_len == msl and engine.page_table.shape == (4, align_ceil(msl, 32)), (
+            f"Exercise 6.4: max_seq_len {engine.max_seq_len}, page table "
+            f"{tuple(engine.page_table.shape)}; expected {msl} and (4, {align_ceil(msl, 32)}): "
+            "the page table takes the capped self.max_seq_len")
+        assert {t.dtype for t in engine.model.state_dict().values()} == {torch.bfloat16}, (
+            "Exercise 6.4: the weights in the Engine's dtype")
+    finally:
+        engine.shutdown()
+        set_rope_device("cpu")
+
+
+def test_forward_batch_samples_the_real_rows_with_the_sampler(monkeypatch):
+    """Padded to 4 as on a GPU, a sampled request next to a greedy one: the sampler gets the
+    model's first B rows and its tokens come back as int32."""
+    engine = engine_for("tiny-llama")
+    seen, real_forward, real_sample = {}, engine.model.forward, engine.sampler.sample
+
+    def forward():
+        seen["logits"] = real_forward()
+        return seen["logits"]
+
+    def sample(logits, args):
+        seen["sampled"] = logits
+        seen["tokens"] = real_sample(logits, args)
+        return seen["tokens"]
+
+    monkeypatch.setattr(engine.model, "forward", forward, raising=False)
+    monkeypatch.setattr(engine.sampler, "sample", sample)
+    monkeypatch.setattr(engine.graph_runner, "graph_bs_list", [4])
+    monkeypatch.setattr(engine.graph_runner, "max_graph_bs", 4)
+    reqs = [make_req(fixed_ids(5, 70), 2, engine=engine, output_len=3),
+            make_req(fixed_ids(3, 71), 0, engine=engine, output_len=3,
+                     params=SamplingParams(temperature=1.5, max_tokens=3))]
+    for phase in ("prefill", "decode"):
+        seen.clear()
+        batch = fill(engine, Batch(reqs=list(reqs), phase=phase))
+        out = engine.forward_batch(batch, engine.sampler.prepare(batch))
+        assert "sampled" in seen, ("Exercise 6.5 (forward_batch): sample with "
+                                   "self.sampler.sample(logits[:batch.size], args)")
+        assert torch.equal(seen["sampled"], seen["logits"][: len(reqs)]), (
+            "Exercise 6.5: the sampler must get the real requests' rows, logits[:batch.size]")
+        assert out.next_tokens_gpu.dtype == torch.int32 and torch.equal(
+            out.next_tokens_gpu.long(), seen["tokens"].long()), (
+            "Exercise 6.5: next_tokens are the sampler's tokens, as int32")
+        for i, r in enumerate(reqs):
+            r.append_host(out.next_tokens_cpu[i:i + 1])
+
+
+@pytest.mark.parametrize("free,reqs,page_size,weights,ratio", [
+    (1_000_000, 1000, 4, 40_000, 0.5), (1_000_000, 3, 4, 40_000, 0.5),
+    (1_000_000, 7, 3, 0, 0.9), (400_000, 1000, 2, 150_000, 0.9)])
+def test_pages_that_fit_formula(free, reqs, page_size, weights, ratio):
+    """(memory_ratio x free - weights) // bytes per page, capped at ceil(reqs x max_seq_len /
+    page_size): the cap binds in some rows, the budget in others."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(kv_cache_bytes_per_page=1000, memory_ratio=ratio, max_seq_len=10,
+                             max_running_req=reqs, page_size=page_size)
+    budget = int((ratio * free - weights) // 1000)
+    cap = -(-reqs * 10 // page_size)
+    got = Engine.pages_that_fit(config, free, weights)
+    assert got == min(budget, cap), (
+        f"Exercise 6.6 (pages_that_fit): {free} bytes free, {weights} of weights, memory_ratio "
+        f"{ratio}, {reqs} requests of 10 tokens in pages of {page_size}: expected min({budget} "
+        f"budget pages, cap ceil({reqs * 10} / {page_size}) = {cap}) = {min(budget, cap)}, got "
+        f"{got}")

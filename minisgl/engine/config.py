@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import os
 from dataclasses import dataclass
 from typing import List
 
@@ -18,7 +17,8 @@ import torch
 from minisgl.distributed import DistributedInfo
 from minisgl.models import ModelConfig
 from minisgl.models.weight import load_hf_config, resolve_model_path
-from minisgl.sampling_params import _is_count  # one definition of "a whole number"
+from minisgl.sampling_params import is_count  # one definition of "a whole number"
+from minisgl.utils import read_env
 
 _COUNTS = ("max_running_req", "page_size", "num_page_override", "max_seq_len_override",
            "num_threads", "cuda_graph_max_bs")  # whole numbers (None allowed where the default is)
@@ -83,7 +83,7 @@ class EngineConfig:
         """Where the tp ranks meet (rank 0 listens there, on 127.0.0.1 only):
         ``$MINISGL_DIST_ADDR`` when set (the launcher sets it to a free port), else a fixed local
         port."""
-        return os.environ.get("MINISGL_DIST_ADDR", "tcp://127.0.0.1:2333")
+        return read_env("MINISGL_DIST_ADDR", str, "tcp://127.0.0.1:2333")
 
     @property
     def tp_sizes(self) -> List[int]:
@@ -109,13 +109,13 @@ class EngineConfig:
                             "torch.float32 (CPU) or torch.bfloat16 / torch.float16 (GPU).")
         for name in _COUNTS:
             value = getattr(self, name)
-            if not _is_count(value) and not (value is None and name not in (
+            if not is_count(value) and not (value is None and name not in (
                     "max_running_req", "page_size")):
                 raise TypeError(f"{name}={value!r} is not an integer: use a whole number (an "
                                 f"int, e.g. {name}=4), not a {type(value).__name__}.")
         if self.cuda_graph_bs is not None and not (
                 isinstance(self.cuda_graph_bs, (list, tuple))
-                and all(_is_count(b) and b >= 1 for b in self.cuda_graph_bs)):
+                and all(is_count(b) and b >= 1 for b in self.cuda_graph_bs)):
             raise TypeError(f"cuda_graph_bs={self.cuda_graph_bs!r}: use a list of whole batch "
                             "sizes >= 1, e.g. [1, 2, 4], or None.")
         for name in ("memory_ratio", "distributed_timeout"):
