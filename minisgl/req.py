@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from minisgl.sampling_params import SamplingParams, _is_count
+from minisgl.sampling_params import SamplingParams, is_count
 
 
 @dataclass(eq=False)  # eq=False: requests compare (and hash) by identity, so they fit in sets
@@ -45,7 +45,7 @@ class Req:
                              f"its tokens on the host: pass input_ids.cpu()), got shape "
                              f"{tuple(ids.shape)} on {ids.device}.")
         for name in ("table_idx", "cached_len", "output_len"):
-            if not _is_count(getattr(self, name)):
+            if not is_count(getattr(self, name)):
                 raise TypeError(f"{me}: {name}={getattr(self, name)!r} is not an integer; "
                                 f"pass a whole number such as {name}=0.")
         # BEGIN SOLUTION 1.1: derive device_len and max_device_len from input_ids and output_len

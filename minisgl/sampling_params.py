@@ -18,7 +18,6 @@ def is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-_is_count = is_count  # the earlier private name
 
 
 def _is_real(value: Any) -> bool:
