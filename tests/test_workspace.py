@@ -88,6 +88,7 @@ def test_workspace_never_replaces_a_file_and_adds_what_is_missing(repo):
     assert "1 files added" in out, out
 
 
+@pytest.mark.slow  # runs a chapter notebook
 def test_no_tool_of_the_test_command_writes_the_workspace(repo):
     """build, check, and a solution notebook run as the tests run it, leave workspace/ alone."""
     tool(repo, "workspace")
