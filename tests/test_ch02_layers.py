@@ -564,6 +564,34 @@ def test_lm_head_decode_keeps_every_row():
         "Exercise 2.5 (LM head): in decode every row (padding included) is kept\n" + m))
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_lm_head_adds_its_bias(tp, phase, monkeypatch):
+    """A head built with bias=True adds it to every kept row, in both phases and split over the
+    vocabulary (the reference is written out in float64, not the head's own code path)."""
+    V, H = 45, 8
+    w, b = randn(V, H, seed=70), randn(V, seed=71) + 3.0  # a bias far from zero
+    lens = [3, 2] if phase == "prefill" else [1, 1, 1]
+    x = randn(sum(lens) + (2 if phase == "decode" else 0), H, seed=72)  # decode: 2 padding rows
+    rows = [2, 4] if phase == "prefill" else list(range(x.shape[0]))
+    want = (x[rows].double() @ w.double().T + b.double()).float()
+    with active(make_batch(lens, phase)):
+        if tp == 1:
+            outs = [single(lambda: ParallelLMHead(V, H, bias=True), {"weight": w, "bias": b}, x)]
+        else:
+            _, _, outs = run_ranks(tp, lambda: ParallelLMHead(V, H, bias=True),
+                                   [{"weight": vocab_rows(w, r, tp), "bias": vocab_rows(b, r, tp)}
+                                    for r in range(tp)], [x] * tp, monkeypatch)
+    for r, got in enumerate(outs):
+        assert got.shape == want.shape, (
+            f"Exercise 2.5 (LM head, {phase}, tp={tp}): rank {r} returns {tuple(got.shape)}, "
+            f"expected {tuple(want.shape)}")
+        no_bias = torch.allclose(got, want - b, atol=1e-4)
+        close(got, want, f"Exercise 2.5 (LM head, {phase}, tp={tp}): rank {r}'s logits differ "
+              "from x @ W.T + b" + ("; the bias is missing: self._matmul(x, weight, self.bias)"
+                                    if no_bias else ""), atol=1e-4, rtol=1e-4)
+
+
 def test_lm_head_tied_uses_embedding_weight():
     """Tied (config.json's tie_word_embeddings): the LM head reads the embedding table. A
     checkpoint that also ships an lm_head.weight keeps the tying when that tensor is a copy of the
