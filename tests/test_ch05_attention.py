@@ -608,6 +608,9 @@ def test_page_indices_match_a_loop(ps):
             p = pages[(row * (32 // ps) + j) % 40]
             table[row, j * ps:(j + 1) * ps] = torch.arange(p * ps, p * ps + ps, dtype=torch.int32)
     rows, lens = [2, 0, 3, 4], [5, 9, 1, 1]  # the last one is the dummy's row
+    stale = pages[39]  # a former request's page, at no position below any device_len here
+    for r, n in zip(rows[:3], lens):  # past device_len a row holds stale entries, page-aligned
+        table[r, n:] = stale * ps + torch.arange(n, 32, dtype=torch.int32) % ps
     want = [int(table[r, j * ps]) // ps for r, n in zip(rows, lens) for j in range(-(-n // ps))]
     try:
         got = page_indices(table, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), ps)
@@ -620,8 +623,9 @@ def test_page_indices_match_a_loop(ps):
     assert got.dtype == torch.int32 and got.tolist() == want, (
         f"Exercise 5.4 (page_indices), page_size={ps}: requests in rows {rows} with device_len "
         f"{lens} span ceil(device_len / ps) pages each; page j of a request is "
-        f"page_table[table_idx, j * ps] // ps, j counted from 0 in every request: expected int32 "
-        f"{want}, got {got.dtype} {got.tolist()}")
+        f"page_table[table_idx, j * ps] // ps, j counted from 0 in every request (a page's first "
+        f"position always holds a key; past device_len the table holds stale entries, here page "
+        f"{stale}): expected int32 {want}, got {got.dtype} {got.tolist()}")
 
 
 def quick_check() -> None:
