@@ -782,7 +782,8 @@ def _prepare_by_hand(params, vocab):
     greedy = [p is None or p.is_greedy for p in params]
     if all(greedy):
         return None
-    temps = [1e-6 if g else p.temperature for p, g in zip(params, greedy)]
+    # temperature 0 is argmax even where top_p < 1 keeps the row out of the greedy ones
+    temps = [1e-6 if g or p.temperature == 0 else p.temperature for p, g in zip(params, greedy)]
     ks = [1 if g else (vocab if p.top_k == -1 else p.top_k) for p, g in zip(params, greedy)]
     ps = [1.0 if p is None else p.top_p for p in params]
     return (temps, ks if any(k != vocab for k in ks) else None,
@@ -794,7 +795,10 @@ def _prepare_by_hand(params, vocab):
     [SamplingParams(temperature=0.6, top_k=V - 1), SamplingParams(temperature=0.6)],
     [SamplingParams(temperature=0.5, top_k=V), SamplingParams(temperature=2.0, top_p=1.0)],
     [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9)],
-], ids=["none-and-cuts", "top-k-v-minus-1", "top-k-v-is-no-cut", "greedy-next-to-top-p"])
+    [SamplingParams(temperature=0.0, top_p=0.5), SamplingParams(temperature=0.8)],
+    [SamplingParams(temperature=1.5), SamplingParams(temperature=0.0, top_k=3, top_p=0.9)],
+], ids=["none-and-cuts", "top-k-v-minus-1", "top-k-v-is-no-cut", "greedy-next-to-top-p",
+        "temperature-0-with-top-p", "temperature-0-top-k-top-p"])
 def test_prepare_matches_the_table(params):
     """Every row's tensors, their dtypes and the None shortcuts, against the table of 6.2."""
     args = Sampler(torch.device("cpu"), V).prepare(
@@ -813,7 +817,34 @@ def test_prepare_matches_the_table(params):
         assert torch.allclose(got.double(), torch.tensor(w, dtype=torch.float64), rtol=1e-5,
                               atol=0), (
             f"Exercise 6.2: {name} should be {w}, got {got.tolist()} (a request without params "
-            "is greedy: 1e-6 and top_k 1; top_k -1 is vocab_size)")
+            "is greedy: 1e-6 and top_k 1; top_k -1 is vocab_size; temperature 0 is 1e-6 also "
+            "where top_p < 1 makes the row non-greedy, never read as 'unset')")
+
+
+@pytest.mark.parametrize("params,pad", [
+    ([SamplingParams(temperature=0.7), SamplingParams(temperature=1.3)], 1),
+    ([SamplingParams(), SamplingParams(temperature=0.9, top_p=0.8), None], 5),
+], ids=["sampled-padded-to-3", "mixed-padded-to-8"])
+def test_prepare_on_a_padded_batch_has_one_row_per_request(params, pad):
+    """On a GPU the batch is padded (pad_batch) before prepare: the dummies get no rows, since
+    forward_batch samples logits[:B] only; the args equal those of the unpadded batch."""
+    dummy = Req(input_ids=torch.tensor([0], dtype=torch.int32), table_idx=9, cached_len=0,
+                output_len=1, uid=-1, sampling_params=None)
+    batch = Batch(reqs=[sampling_req(p, i) for i, p in enumerate(params)], phase="decode")
+    batch.padded_reqs = batch.reqs + [dummy] * pad
+    args = Sampler(torch.device("cpu"), V).prepare(batch)
+    want = _prepare_by_hand(params, V)
+    for name, w in zip(("temperatures", "top_k", "top_p"), want):
+        got = getattr(args, name)
+        rows = None if got is None else tuple(got.shape)
+        assert rows != (len(params) + pad,), (
+            f"Exercise 6.2 (Sampler.prepare): on a batch of {len(params)} padded to "
+            f"{len(params) + pad}, {name} has a row per request of batch.padded_reqs; build the "
+            "rows from batch.reqs (the dummies' logits rows are dropped before sampling)")
+        assert (got is None) == (w is None) and (w is None or torch.allclose(
+            got.double(), torch.tensor(w, dtype=torch.float64), rtol=1e-5, atol=0)), (
+            f"Exercise 6.2: on a padded batch {name} should be {w} (as without padding), got "
+            f"{None if got is None else got.tolist()}")
 
 
 def test_pad_batch_leaves_the_requests_alone():
