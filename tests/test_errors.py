@@ -17,22 +17,13 @@ import textwrap
 import pytest
 import torch
 
+from errors_catalogue import ROWS
 from helpers import ROOT, model_path
 
 TINY = "tiny-llama"
 
 
-def _table() -> dict[str, tuple[str, list[str]]]:
-    rows = {}
-    for line in (ROOT / "docs" / "errors.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4 or cells[0] in ("id", "---") or set(cells[0]) <= {"-"}:
-            continue
-        rows[cells[0]] = (cells[2], re.findall(r"`([^`]+)`", cells[3]))
-    return rows
-
-
-TABLE = _table()
+TABLE = ROWS  # docs/errors.md: id -> (exception, fragments), read once in errors_catalogue
 
 
 # ----------------------------------------------------------------------------- fixtures
