@@ -79,3 +79,22 @@ def require_kernels():
             pytest.skip(f"no C++ compiler here: {kernel.unavailable_reason()}")
         pytest.fail(f"the C++ kernels did not build: {kernel.unavailable_reason()}", pytrace=False)
     return module
+
+
+def run_prepare_models(*argv: str) -> tuple[int, str]:
+    """tools/prepare_models.py's command line, run in this process: (exit status, stderr)."""
+    import contextlib
+    import io
+    import sys
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tools import prepare_models
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = prepare_models.main(list(argv))
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()

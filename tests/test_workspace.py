@@ -322,6 +322,15 @@ def test_tools_under_a_python_without_the_packages_point_at_the_venv(tmp_path, a
     assert snapshot(repo) == before
 
 
+def first_cell(ws: Path, nn: str) -> subprocess.CompletedProcess:
+    """A learner's chapter-NN first cell, run in workspace/notebooks/ as its kernel would."""
+    code = ("import sys, pathlib; sys.path.insert(0, str(pathlib.Path.cwd().parent))\n"
+            f"from tools.nbtools import guard\nguard({nn!r})\n")
+    env = {k: v for k, v in os.environ.items() if k != "MINISGL_PACKAGE_TREE"}
+    return subprocess.run([PY, "-c", code], cwd=ws / "notebooks", env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
 def test_the_first_cell_checks_the_earlier_chapters_it_uses(repo):
     """A wrong 4.3 (batch_row_map by batch position) in the learner's package: chapter 05's first
     cell names Exercise 4.3 before any chapter 05 check can blame a correct 5.3."""
@@ -332,16 +341,11 @@ def test_the_first_cell_checks_the_earlier_chapters_it_uses(repo):
     right = "rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)"
     assert right in text
     table.write_text(text.replace(right, "rows = torch.arange(len(reqs), dtype=torch.int64)"))
-    code = ("import sys, pathlib; sys.path.insert(0, str(pathlib.Path.cwd().parent))\n"
-            "from tools.nbtools import guard\nguard('05')\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("MINISGL_PACKAGE_TREE",)}
-    res = subprocess.run([PY, "-c", code], cwd=ws / "notebooks", env=env, capture_output=True,
-                         text=True, timeout=300, check=False)
+    res = first_cell(ws, "05")
     assert res.returncode != 0 and "Exercise 4.3" in res.stderr, res.stderr[-3000:]
     assert "make reset CH=04" in res.stderr, res.stderr[-3000:]
     table.write_text(text)
-    res = subprocess.run([PY, "-c", code], cwd=ws / "notebooks", env=env, capture_output=True,
-                         text=True, timeout=300, check=False)
+    res = first_cell(ws, "05")
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -356,9 +360,5 @@ def test_a_crash_inside_an_earlier_chapters_exercise_is_named(repo):
     at = text.index(marker)
     indent = text[text.rindex("\n", 0, at) + 1:at]
     pool.write_text(text[:at] + "raise KeyError('oops')\n" + indent + text[at:])
-    code = ("import sys, pathlib; sys.path.insert(0, str(pathlib.Path.cwd().parent))\n"
-            "from tools.nbtools import guard\nguard('05')\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("MINISGL_PACKAGE_TREE",)}
-    res = subprocess.run([PY, "-c", code], cwd=ws / "notebooks", env=env, capture_output=True,
-                         text=True, timeout=300, check=False)
+    res = first_cell(ws, "05")
     assert res.returncode != 0 and "Exercise 4.1" in res.stderr, res.stderr[-3000:]
