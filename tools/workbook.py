@@ -54,7 +54,7 @@ HEADER = re.compile(r"^\s+(\d+)\.(\d+)\s*:\s*(\S.*?)\s*$")
 # The first line of a `%%writefile -a` cell: which part of its module the cell writes. A module
 # is its first cell's body (part 1) followed by parts 2, 3, ... in order; the marker lines stay in
 # the file as plain comments, so the workbook's %%writefile can replace one part in place.
-PART = re.compile(r"^# --- part (\d+): (\S.*?) ---[ \t]*$")
+PART = re.compile(r"^(?:#|//) --- part (\d+): (\S.*?) ---[ \t]*$")  # `//` in C++ files
 
 
 class WorkbookError(Exception):
@@ -158,7 +158,7 @@ def parse_writefile(source: str) -> tuple[str, str, list[str]] | None:
                           "../minisgl/")
     if is_append(source) and not PART.match(body.partition("\n")[0]):
         errors.append("a `%%writefile -a` cell's first line must be a part marker, "
-                      "`# --- part N: title ---`")
+                      "`# --- part N: title ---` (`// --- part N: title ---` in C++)")
     return target, body, errors
 
 

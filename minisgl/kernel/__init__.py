@@ -28,14 +28,24 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from minisgl.utils.env import EnvVarError
+from minisgl.utils.env import EnvVarError, read_env
 
 from .build import KernelBuildError, cache_dir, load_or_build
 
 _MODULE: ModuleType | None = None
 _FAILED: str | None = None  # why the build failed (not retried in this process)
-FLAGS = ["-O3", "-march=native", "-fopenmp"]  # this CPU's vector width (linear.h); threads
 LINEAR_MAX_ROWS = 16  # up to here `linear` beats MKL; beyond, MKL's blocked GEMM wins
+# The vector instructions the build targets (common.h, part 2), from MINISGL_KERNEL_ISA:
+# "native" (the default): this CPU's widest; "no-avx512": AVX2 on an AVX-512 CPU (to measure
+# both); "baseline": the architecture's base vectors (SSE2 on x86-64, NEON on aarch64).
+ISA_FLAGS = {"native": ["-O3", "-march=native"],
+             "no-avx512": ["-O3", "-march=native", "-mno-avx512f"],
+             "baseline": ["-O3"]}
+
+
+def build_flags() -> list[str]:
+    """The compiler flags ``MINISGL_KERNEL_ISA`` asks for (default: ``native``)."""
+    return ISA_FLAGS[read_env("MINISGL_KERNEL_ISA", str, "native", choices=tuple(ISA_FLAGS))]
 
 
 def load() -> ModuleType | None:
@@ -45,7 +55,7 @@ def load() -> ModuleType | None:
     if _MODULE is not None or _FAILED is not None:
         return _MODULE
     errors = []
-    for flags in (FLAGS, ["-O3"]):  # some compilers reject -march=native or -fopenmp
+    for flags in (build_flags(), ISA_FLAGS["baseline"]):  # a compiler may reject -march=native
         try:
             _MODULE = load_or_build(flags)
             return _MODULE
@@ -93,7 +103,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def small_batch_linear(x: torch.Tensor, w: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with the kernel for up to ``LINEAR_MAX_ROWS`` rows (the weight is read once,
-    4 output features at a time, split over the threads), MKL for more (a prefill)."""
+    4 output features at a time, in chunks the threads share), MKL for more (a prefill)."""
     if x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS:
         return _MODULE.linear(x, w, bias)
     return F.linear(x, w, bias)
@@ -113,5 +123,5 @@ def _register_backend() -> None:
 _register_backend()
 from .binding import op_impls  # last: it imports the functions above
 
-__all__ = ["FLAGS", "LINEAR_MAX_ROWS", "KernelBuildError", "add_rmsnorm", "cache_dir", "load",
+__all__ = ["ISA_FLAGS", "LINEAR_MAX_ROWS", "KernelBuildError", "add_rmsnorm", "build_flags", "cache_dir", "load",
            "op_impls", "rope", "silu_and_mul", "small_batch_linear", "unavailable_reason"]

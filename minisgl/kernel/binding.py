@@ -13,9 +13,6 @@ chapters' code. What each op gets (the functions live in ``__init__.py``):
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 from minisgl.layers import OpImpls
 
 from . import (KernelBuildError, add_rmsnorm, load, rope, silu_and_mul, small_batch_linear,
@@ -23,14 +20,9 @@ from . import (KernelBuildError, add_rmsnorm, load, rope, silu_and_mul, small_ba
 
 
 def op_impls() -> OpImpls:
-    """The kernels' implementation set (built or found in the cache first).
-
-    Read the thread count after the Engine set it: without OpenMP the small-batch ``linear``
-    would run on one thread, so with several threads the linear ops keep MKL's ``F.linear``.
-    """
-    module = load()
-    if module is None:
+    """The kernels' implementation set (built or found in the cache first). The kernels run on
+    their own threads, as many as torch has (the Engine's ``num_threads``)."""
+    if load() is None:
         raise KernelBuildError(f"the C++ kernels are unavailable: {unavailable_reason()}")
-    threads_ok = bool(module.has_openmp()) or torch.get_num_threads() == 1
-    return OpImpls(name="cpp", matmul=small_batch_linear if threads_ok else F.linear,
-                   add_rmsnorm=add_rmsnorm, rope=rope, silu_and_mul=silu_and_mul)
+    return OpImpls(name="cpp", matmul=small_batch_linear, add_rmsnorm=add_rmsnorm, rope=rope,
+                   silu_and_mul=silu_and_mul)

@@ -55,7 +55,7 @@ def _compile(name: str, folder: Path, flags: list[str]) -> ModuleType:
     work.mkdir(mode=0o700)
     try:
         module = load(name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(work),
-                      extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [], verbose=False)
+                      verbose=False)
         lib = folder / f"{name}.so"
         os.replace(work / f"{name}.so", lib)
         tmp = folder / "build.json.tmp"

@@ -5,10 +5,10 @@
 // dispatcher, an output allocation and a trip through memory; here it is one loop. Every
 // function checks its inputs (float32, CPU, rows contiguous in the last dim, consistent shapes,
 // slots inside the pool) and raises a clear error instead of touching memory it does not own.
-// Rows are spread over threads (split_rows, common.h: at::parallel_for) only when there are enough of them
-// (prefill); a decode batch runs on the calling thread. `linear` is the exception: a decode
-// batch's matmul splits the weight's output features over the threads, since reading the weight
-// is the whole cost. The kernels live in the four headers of csrc/ (one translation unit: one
+// Rows are spread over the kernels' own threads (split_rows, common.h) only when there are
+// enough of them (a prefill); a decode batch runs on the calling thread. `linear` is the
+// exception: a decode batch's matmul splits the weight's output features over the threads,
+// since reading the weight is the whole cost. The kernels live in the four headers of csrc/ (one translation unit: one
 // compiler run); the PYBIND11_MODULE block below names what Python can call.
 #include "csrc/common.h"
 #include "csrc/small_ops.h"
@@ -22,6 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_inplace", &rope_inplace, "rotate every head of each row by its position");
   m.def("decode_attention", &decode_attention, "one query per request over the paged pool");
   m.def("linear", &linear, "x @ w.T (+ bias) for a few rows of x");
-  m.def("has_openmp", &has_openmp, "built with OpenMP");
-  m.def("vector_lanes", &vector_lanes, "floats per vector in linear's tiles");
+  m.def("vector_lanes", &vector_lanes, "floats per vector in this build");
+  m.def("vector_isa", &vector_isa, "the vector instructions this build targets");
 }

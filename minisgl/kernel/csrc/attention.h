@@ -35,8 +35,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const float* qp = q.data_ptr<float>();
   float* op = o.data_ptr<float>();
   const int64_t qs = q.stride(0);
-  // one task per (request, KV head): its G query heads read each key and value row once
-  split_rows(0, B * Hkv, 4, [&](int64_t lo, int64_t hi) {
+  // one task per (request, KV head): its G query heads read each key and value row once;
+  // fewer than 8 tasks (one or two requests) are microseconds of work: the calling thread
+  const int64_t tasks = B * Hkv;
+  split_rows(tasks, tasks < 8 ? tasks : 2, [&](int64_t lo, int64_t hi) {
     std::vector<float> p(G * L);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / Hkv, hk = task % Hkv, n = lens[b];

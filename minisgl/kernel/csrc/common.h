@@ -1,11 +1,18 @@
-// Chapter 07 (07_stage1_milestone.ipynb): checks and helpers shared by the kernels.
+// Chapter 07 (07_stage1_milestone.ipynb): checks, vectors and threads the kernels share.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <pthread.h>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <optional>
+#include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -24,14 +31,73 @@ const int64_t* index_ptr(const torch::Tensor& t, const char* name) {
   return t.data_ptr<int64_t>();
 }
 
-// sum(a[i] * b[i]) with 16 partial sums, so the compiler can keep them in vector registers
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 1 &&
+              w.is_contiguous() && w.size(0) == x.size(1),
+              "weight must be a contiguous float32 CPU vector of ", x.size(1), " values");
+}
+
+}  // namespace
+// --- part 2: vectors ---
+// One vector register of floats, the widest this build's target has: 16 with AVX-512, 8 with
+// AVX2, 4 otherwise (SSE, an ARM laptop's NEON). The compiler's flags choose it (-march=native:
+// this CPU), and with it the number of vector registers, which bounds a kernel's running sums.
+// GCC's vector extension lets one source serve all of them: `acc += x * w` on vecf is one
+// vector instruction (an FMA), and memcpy is how C++ reads a vector from any float address.
+#if defined(__AVX512F__)
+#define MINISGL_LANES 16
+#define MINISGL_ISA "AVX-512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MINISGL_LANES 8
+#define MINISGL_ISA "AVX2+FMA"
+#elif defined(__AVX__)
+#define MINISGL_LANES 8
+#define MINISGL_ISA "AVX"
+#elif defined(__ARM_NEON)
+#define MINISGL_LANES 4
+#define MINISGL_ISA "NEON"
+#else
+#define MINISGL_LANES 4
+#define MINISGL_ISA "SSE2 (the x86-64 baseline) or scalar"
+#endif
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define MINISGL_VREGS 32
+#else
+#define MINISGL_VREGS 16
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+inline void cpu_relax() { _mm_pause(); }  // "this thread is spinning": frees the core a little
+#elif defined(__aarch64__)
+inline void cpu_relax() { asm volatile("yield"); }
+#else
+inline void cpu_relax() {}
+#endif
+
+namespace {
+
+constexpr int kLanes = MINISGL_LANES;
+constexpr int kVectorRegisters = MINISGL_VREGS;
+typedef float vecf __attribute__((vector_size(MINISGL_LANES * sizeof(float))));
+inline vecf loadv(const float* p) {
+  vecf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline float hsum(vecf v) {
   float s = 0;
-  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
+// sum(a[i] * b[i]) in four vectors of partial sums (the FMAs into one vector wait for each other)
+inline float dot(const float* a, const float* b, int64_t n) {
+  vecf acc[4] = {};
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes)
+    for (int u = 0; u < 4; ++u) acc[u] += loadv(a + i + u * kLanes) * loadv(b + i + u * kLanes);
+  for (; i + kLanes <= n; i += kLanes) acc[0] += loadv(a + i) * loadv(b + i);
+  float s = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
@@ -42,22 +108,111 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t n, float 
   for (int64_t k = 0; k < n; ++k) y[k] = w[k] * (x[k] * r);
 }
 
-void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 1 &&
-              w.is_contiguous() && w.size(0) == x.size(1),
-              "weight must be a contiguous float32 CPU vector of ", x.size(1), " values");
+}  // namespace
+// --- part 3: threads ---
+namespace {
+
+// The kernels' threads. The caller and (threads - 1) workers share a call's items, taking
+// `chunk` items at a time from one counter: a thread the OS has paused holds back one chunk
+// at most, never the whole call (with fixed shares, the call would wait for its share). After
+// a call a worker spins for kSpin -- long enough to catch the next kernel of the same decode
+// step -- then sleeps on a condition variable: no thread burns a core between steps, or while
+// other programs need it (OpenMP's threads, torch's, spin for milliseconds).
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+class Workers {
+  struct Job {  // one call, on the caller's stack; the workers reach it through job_
+    void (*call)(const void* fn, int64_t lo, int64_t hi);
+    const void* fn;
+    int64_t total, chunk, chunks;
+    std::atomic<int64_t> next{0}, done{0};
+    void drain() {
+      for (int64_t c; (c = next.fetch_add(1)) < chunks; done.fetch_add(1))
+        call(fn, c * chunk, std::min(total, (c + 1) * chunk));
+    }
+  };
+  std::vector<std::thread> threads_;
+  std::atomic<Job*> job_{nullptr};
+  std::atomic<uint64_t> gen_{0};              // one more per call: wakes the workers
+  std::atomic<int> inside_{0}, sleeping_{0};  // workers looking at job_, workers asleep
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+
+  void wait_for_call(uint64_t seen) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 1; gen_.load() == seen; ++i) {
+      cpu_relax();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() - t0 > kSpin) {
+        std::unique_lock<std::mutex> lock(mu_);  // spun long enough: sleep until a call
+        ++sleeping_;
+        cv_.wait(lock, [&] { return gen_.load() != seen; });
+        --sleeping_;
+        return;
+      }
+    }
+  }
+  void loop() {
+    for (uint64_t seen = 0;;) {
+      wait_for_call(seen);
+      seen = gen_.load();
+      if (stop_) return;
+      ++inside_;
+      if (Job* job = job_.load()) job->drain();
+      --inside_;
+    }
+  }
+
+ public:
+  explicit Workers(int n) {
+    for (int i = 1; i < n; ++i) threads_.emplace_back([this] { loop(); });
+  }
+  ~Workers() {
+    { std::lock_guard<std::mutex> lock(mu_); stop_ = true; ++gen_; }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  int size() const { return (int)threads_.size() + 1; }
+
+  template <typename F>  // f(lo, hi) over consecutive pieces of [0, total), on every thread
+  void run(int64_t total, int64_t chunk, const F& f) {
+    if (threads_.empty() || total <= chunk) {
+      if (total > 0) f(0, total);
+      return;
+    }
+    Job job{[](const void* fn, int64_t lo, int64_t hi) { (*static_cast<const F*>(fn))(lo, hi); },
+            &f, total, chunk, (total + chunk - 1) / chunk};
+    job_.store(&job);
+    ++gen_;
+    if (sleeping_.load() > 0) { std::lock_guard<std::mutex> lock(mu_); cv_.notify_all(); }
+    job.drain();  // the caller works too, then waits only for chunks still being computed
+    for (int i = 0; job.done.load() < job.chunks; ++i)
+      i < 4096 ? cpu_relax() : std::this_thread::yield();
+    job_.store(nullptr);
+    while (inside_.load() > 0) cpu_relax();  // a late worker may still be looking at `job`
+  }
+};
+
+// One Workers for the process, with as many threads as torch has (the Engine's num_threads),
+// rebuilt when that number changes. A forked child has none of its parent's threads: it
+// starts without any.
+Workers* g_workers = nullptr;
+Workers& workers() {
+  static const int registered = pthread_atfork(nullptr, nullptr, [] { g_workers = nullptr; });
+  (void)registered;
+  const int n = std::max(1, at::get_num_threads());
+  if (g_workers == nullptr || g_workers->size() != n) {
+    delete g_workers;
+    g_workers = new Workers(n);
+  }
+  return *g_workers;
 }
 
-// Spread [begin, end) over torch's intra-op threads when there are more than `grain` items
-// (at::parallel_for: OpenMP, torch's libgomp); fewer items, a decode batch's rows, stay on the
-// calling thread. OpenMP's threads spin for a few milliseconds after each call: the fastest
-// hand-off on a machine with a core to spare, and a slow one when other programs take the cores
-// (benchmarks/bench_omp_wait.py measures both; benchmarks/README.md, "Threads that wait").
+// f(lo, hi) over [0, n) in chunks of `chunk` items, spread over the threads (one chunk or
+// less: on the calling thread alone).
 template <typename F>
-void split_rows(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  at::parallel_for(begin, end, grain, f);
-}
+void split_rows(int64_t n, int64_t chunk, const F& f) { workers().run(n, chunk, f); }
 
-constexpr int64_t kRowGrain = 64;  // rows per thread before split_rows splits the work
+constexpr int64_t kRowGrain = 64;  // a prefill's rows per chunk in the small ops
 
 }  // namespace

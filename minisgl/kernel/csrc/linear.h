@@ -4,73 +4,67 @@
 
 namespace {
 
-// One vector register of floats: 16 with AVX-512, 8 with AVX2, 4 otherwise (SSE, NEON), so
-// that a tile's 16 running sums fit the register file. memcpy is how C++ reads a vector from
-// any float address (the compiler turns it into one load).
-#if defined(__AVX512F__)
-#define MINISGL_LANES 16
-#elif defined(__AVX__)
-#define MINISGL_LANES 8
-#else
-#define MINISGL_LANES 4
-#endif
-constexpr int kLanes = MINISGL_LANES;
-typedef float vecf __attribute__((vector_size(MINISGL_LANES * sizeof(float))));
-inline vecf loadv(const float* p) {
-  vecf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+// A tile: kTileRows weight rows (output features) against MM rows of x. The weight rows are
+// read from memory once, a vector at a time; each vector meets the MM rows of x (in L1) in
+// MM x kTileRows running sums, which must fit the vector registers together with the
+// kTileRows weight vectors and one x vector: MM <= 2 with 16 registers (AVX2), 4 with 32.
+constexpr int kTileRows = 4;
+constexpr int kTileX = std::min(4, (kVectorRegisters - kTileRows - 1) / kTileRows);
 
-constexpr int kTileRows = 4;      // output features (weight rows) per tile
-constexpr int kPrefetchTiles = 1;  // ask for the next tile's weight rows while computing this one
-
-// y[m, n0 + i] = x[m] . w[n0 + i] (+ bias) for i < nn (1..4) and MM (1..4) rows of x. The 4
-// weight rows are read once, one vector at a time; each chunk meets the MM rows of x (in L1
-// cache) in MM x 4 vector accumulators; each accumulator is summed at the end.
 template <int MM>
-void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K,
-                 int64_t prefetch, float* y, int64_t ldy, int64_t nn, const float* bias) {
+void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K, float* y,
+                 int64_t ldy, int64_t nn, const float* bias) {
   vecf acc[MM][kTileRows] = {};
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     vecf a[kTileRows];
-    for (int i = 0; i < kTileRows; ++i) {
-      __builtin_prefetch(wr[i] + k + prefetch);
-      a[i] = loadv(wr[i] + k);
-    }
+    for (int i = 0; i < kTileRows; ++i) a[i] = loadv(wr[i] + k);
     for (int m = 0; m < MM; ++m) {
       const vecf xv = loadv(x + m * ldx + k);
       for (int i = 0; i < kTileRows; ++i) acc[m][i] += xv * a[i];
     }
   }
   for (int m = 0; m < MM; ++m) {
-    float s[kTileRows];
-    for (int i = 0; i < kTileRows; ++i) {
-      s[i] = 0;
-      for (int l = 0; l < kLanes; ++l) s[i] += acc[m][i][l];
-      for (int64_t kk = k; kk < K; ++kk) s[i] += x[m * ldx + kk] * wr[i][kk];  // K % kLanes tail
+    for (int64_t i = 0; i < nn; ++i) {
+      float s = hsum(acc[m][i]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[m * ldx + kk] * wr[i][kk];  // K % kLanes tail
+      y[m * ldy + i] = bias ? s + bias[i] : s;
     }
-    for (int64_t i = 0; i < nn; ++i) y[m * ldy + i] = bias ? s[i] + bias[i] : s[i];
+  }
+}
+
+// Output features [lo, hi) for all M rows of x, tile by tile: a tile's weight rows come from
+// memory for its first group of x rows and from L1 for the others.
+void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
+                 int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi) {
+  for (int64_t n0 = lo; n0 < hi; n0 += kTileRows) {
+    const int64_t nn = std::min<int64_t>(kTileRows, hi - n0);
+    const float* wr[kTileRows];  // a short last tile repeats its last row (never stored)
+    for (int i = 0; i < kTileRows; ++i) wr[i] = w + (n0 + std::min<int64_t>(i, nn - 1)) * ldw;
+    const float* bt = bias ? bias + n0 : nullptr;
+    for (int64_t m = 0; m < M; m += kTileX) {
+      const float* xm = x + m * ldx;
+      float* ym = y + m * N + n0;
+      switch (std::min<int64_t>(kTileX, M - m)) {
+        case 4: linear_tile<4>(xm, ldx, wr, K, ym, N, nn, bt); break;
+        case 3: linear_tile<3>(xm, ldx, wr, K, ym, N, nn, bt); break;
+        case 2: linear_tile<2>(xm, ldx, wr, K, ym, N, nn, bt); break;
+        default: linear_tile<1>(xm, ldx, wr, K, ym, N, nn, bt); break;
+      }
+    }
   }
 }
 
 }  // namespace
 
-int64_t vector_lanes() { return kLanes; }  // floats per vector in linear's tiles
-
-bool has_openmp() {  // without OpenMP, at::parallel_for runs on one thread
-#ifdef _OPENMP
-  return true;
-#else
-  return false;
-#endif
-}
+int64_t vector_lanes() { return kLanes; }  // floats per vector in this build
+std::string vector_isa() { return MINISGL_ISA; }  // the vector instructions this build targets
 
 // y = x @ w.T (+ bias) for a few rows of x (a decode batch), w [N, K] in the checkpoint's
 // layout: each output feature's K weights contiguous. MKL's GEMM, tuned for large products,
 // reads the weight much more slowly with 2-16 rows than with one; here every weight byte is
-// read once, whatever the row count, and the threads split the output features.
+// read once, whatever the row count, and the threads take the output features in chunks,
+// each one contiguous stretch of the weight.
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias) {
   check_rows(x, "x");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2 &&
@@ -92,27 +86,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldw = w.stride(0), tiles = (N + kTileRows - 1) / kTileRows;
-  split_rows(0, tiles, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = t * kTileRows, nn = std::min<int64_t>(kTileRows, N - n0);
-      const float* wr[kTileRows];  // a short last tile repeats its last row (never stored)
-      for (int i = 0; i < kTileRows; ++i) wr[i] = wp + (n0 + std::min<int64_t>(i, nn - 1)) * ldw;
-      // prefetch the next tile's rows; the last tiles prefetch their own (nothing past the end)
-      const int64_t prefetch =
-          n0 + (kPrefetchTiles + 1) * kTileRows <= N ? kPrefetchTiles * kTileRows * ldw : 0;
-      const float* bt = bp ? bp + n0 : nullptr;
-      for (int64_t m = 0; m < M; m += 4) {
-        const float* xm = xp + m * ldx;
-        float* ym = yp + m * N + n0;
-        switch (std::min<int64_t>(4, M - m)) {
-          case 4: linear_tile<4>(xm, ldx, wr, K, prefetch, ym, N, nn, bt); break;
-          case 3: linear_tile<3>(xm, ldx, wr, K, prefetch, ym, N, nn, bt); break;
-          case 2: linear_tile<2>(xm, ldx, wr, K, prefetch, ym, N, nn, bt); break;
-          default: linear_tile<1>(xm, ldx, wr, K, prefetch, ym, N, nn, bt); break;
-        }
-      }
-    }
+  const int64_t ldx = x.stride(0), ldw = w.stride(0);
+  // chunks of at least 64 KB of weights, and at most 1/64 of the matrix (the LM head's 113 MB)
+  const int64_t rows = std::max<int64_t>((64 << 10) / (4 * std::max<int64_t>(K, 1)), N / 64);
+  const int64_t chunk = std::max<int64_t>(1, rows / kTileRows) * kTileRows;
+  split_rows(N, chunk, [&](int64_t lo, int64_t hi) {
+    linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi);
   });
   return y;
 }

@@ -10,7 +10,7 @@ torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor weight, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  split_rows(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+  split_rows(T, kRowGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) norm_row(xp + t * xs, wp, yp + t * H, H, (float)eps);
   });
   return y;
@@ -29,7 +29,7 @@ torch::Tensor fused_add_rmsnorm(torch::Tensor x, torch::Tensor residual, torch::
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  split_rows(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+  split_rows(T, kRowGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       float* r = rp + t * rs;
       const float* a = xp + t * xs;
@@ -47,7 +47,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   auto y = torch::empty({T, I}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  split_rows(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+  split_rows(T, kRowGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const float* g = xp + t * xs;
       const float* u = g + I;
@@ -83,7 +83,7 @@ void rope_inplace(torch::Tensor positions, torch::Tensor x, torch::Tensor cos_si
                 " is outside the rope table (", P, " positions): raise max_position");
   float* xp = x.data_ptr<float>();
   const float* cp = cos_sin.data_ptr<float>();
-  split_rows(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+  split_rows(T, kRowGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const float* c = cp + position(t) * head_size;
       const float* s = c + half;
