@@ -163,7 +163,7 @@ def test_linear_equals_a_float64_matmul(kmod, m, n, k):
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_work_split_over_threads_gives_the_same_bits(kmod, threads):
-    """``split_rows`` (csrc/common.h) hands all chunks but the first to torch's inter-op threads;
+    """``split_rows`` (csrc/common.h) shares a call's chunks among the kernels' own threads;
     every output row or tile is computed by the same code whichever thread runs it, so the
     results must equal one thread's bit for bit (a chunk lost or done twice would not)."""
     g = torch.Generator().manual_seed(5)
@@ -188,6 +188,81 @@ def test_work_split_over_threads_gives_the_same_bits(kmod, threads):
                 assert torch.equal(got, ref), f"{threads} threads changed a kernel's result"
     finally:
         torch.set_num_threads(old)
+
+
+THREADS_SCRIPT = r"""
+import os, signal, sys, threading, time
+import torch
+from minisgl import kernel
+mod = kernel.load()
+torch.set_num_threads(2)
+x, w = torch.randn(3, 576), torch.randn(3072, 576)
+want = x.double() @ w.double().T
+def ok(y):
+    return (y.double() - want).abs().max().item() < 1e-3
+assert ok(mod.linear(x, w, None))  # the workers exist now
+pid = os.fork()  # a child has none of its parent's threads: it must not wait for them
+if pid == 0:
+    os._exit(0 if ok(mod.linear(x, w, None)) else 3)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, f"the forked child failed: {status}"
+# the calls keep their results while another busy thread competes for the cores, and after
+# the workers fell asleep (a pause longer than their spin)
+stop = threading.Event()
+busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+busy.start()
+try:
+    for _ in range(200):
+        assert ok(mod.linear(x, w, None))
+finally:
+    stop.set(); busy.join()
+time.sleep(0.05)
+assert ok(mod.linear(x, w, None))
+torch.set_num_threads(3); assert ok(mod.linear(x, w, None))  # a new thread count: new workers
+torch.set_num_threads(1); assert ok(mod.linear(x, w, None))
+print("threads ok")
+"""
+
+
+def test_kernel_threads_survive_a_fork_a_busy_machine_and_sleep(kmod):
+    """The kernels' threads (``Workers``, csrc/common.h) after a fork, beside a busy thread,
+    after sleeping, and when the thread count changes: every call completes (within the
+    timeout: a lost wake-up or a wait for a thread a fork left behind would hang) and is right."""
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_TREE)}
+    out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], cwd=ROOT, env=env, text=True,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0 and "threads ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_the_build_targets_this_cpus_widest_vectors(kmod):
+    """-march=native: AVX-512 where the CPU has it, else AVX2 with FMA, NEON on aarch64; the
+    module says which (``vector_isa``, printed in the benchmarks' headers)."""
+    import platform
+
+    isa, lanes = kmod.vector_isa(), kmod.vector_lanes()
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        flags = set(pathlib.Path("/proc/cpuinfo").read_text().split()) if pathlib.Path(
+            "/proc/cpuinfo").exists() else set()
+        if not flags:
+            pytest.skip("no /proc/cpuinfo to compare with")
+        want = ("AVX-512", 16) if "avx512f" in flags else (
+            ("AVX2+FMA", 8) if {"avx2", "fma"} <= flags else None)
+        if want is None:
+            pytest.skip("an x86 CPU without AVX2")
+        assert (isa, lanes) == want, f"built for {isa} ({lanes} floats), the CPU has {want[0]}"
+    elif machine in ("aarch64", "arm64"):
+        assert (isa, lanes) == ("NEON", 4)
+
+
+def test_kernel_isa_setting_is_checked(monkeypatch):
+    from minisgl.utils.env import EnvVarError
+
+    monkeypatch.setenv("MINISGL_KERNEL_ISA", "avx1024")
+    with pytest.raises(EnvVarError, match="MINISGL_KERNEL_ISA='avx1024'.*one of 'native'"):
+        kernel.build_flags()
+    monkeypatch.setenv("MINISGL_KERNEL_ISA", "no-avx512")
+    assert "-mno-avx512f" in kernel.build_flags()
 
 
 def test_small_batch_linear_hands_a_prefill_to_mkl(kmod, monkeypatch):
