@@ -123,5 +123,6 @@ def _register_backend() -> None:
 _register_backend()
 from .binding import op_impls  # last: it imports the functions above
 
-__all__ = ["ISA_FLAGS", "LINEAR_MAX_ROWS", "KernelBuildError", "add_rmsnorm", "build_flags", "cache_dir", "load",
-           "op_impls", "rope", "silu_and_mul", "small_batch_linear", "unavailable_reason"]
+__all__ = ["ISA_FLAGS", "LINEAR_MAX_ROWS", "KernelBuildError", "add_rmsnorm", "build_flags",
+           "cache_dir", "load", "op_impls", "rope", "silu_and_mul", "small_batch_linear",
+           "unavailable_reason"]

@@ -52,17 +52,32 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
         float* pg = p.data() + g * L;
         float m = -INFINITY, sum = 0;
         for (int64_t j = 0; j < n; ++j) m = std::max(m, pg[j]);
-        for (int64_t j = 0; j < n; ++j) sum += (pg[j] = std::exp(pg[j] - m));
-        for (int64_t j = 0; j < n; ++j) pg[j] /= sum;
+        int64_t j = 0;
+        for (; j + kLanes <= n; j += kLanes) {  // e^(s - m), a vector of keys at a time
+          const vecf e = expv(loadv(pg + j) - m);
+          std::memcpy(pg + j, &e, sizeof(e));
+          sum += hsum(e);
+        }
+        for (; j < n; ++j) sum += (pg[j] = std::exp(pg[j] - m));
+        for (j = 0; j < n; ++j) pg[j] /= sum;
       }
+      // o = sum_j p_j v_j, 8 vectors of o at a time kept in registers over all the keys
       float* oh = op + b * Hq * D + hk * G * D;
-      std::fill(oh, oh + G * D, 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vj = vc + sl[j] * row + hk * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = p[g * L + j];
-          float* og = oh + g * D;
-          for (int64_t d = 0; d < D; ++d) og[d] += w * vj[d];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* pg = p.data() + g * L;
+        for (int64_t d0 = 0; d0 < D; d0 += 8 * kLanes) {
+          const int64_t nv = std::min<int64_t>(8, (D - d0) / kLanes);  // whole vectors here
+          vecf acc[8] = {};
+          for (int64_t j = 0; j < n; ++j) {
+            const float* vj = vc + sl[j] * row + hk * D + d0;
+            for (int64_t v = 0; v < nv; ++v) acc[v] += pg[j] * loadv(vj + v * kLanes);
+          }
+          std::memcpy(oh + g * D + d0, acc, nv * sizeof(vecf));
+          for (int64_t d = d0 + nv * kLanes; d < std::min(D, d0 + 8 * kLanes); ++d) {
+            float s = 0;  // D % kLanes tail
+            for (int64_t j = 0; j < n; ++j) s += pg[j] * vc[sl[j] * row + hk * D + d];
+            oh[g * D + d] = s;
+          }
         }
       }
     }

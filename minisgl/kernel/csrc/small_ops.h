@@ -52,7 +52,12 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       const float* g = xp + t * xs;
       const float* u = g + I;
       float* o = yp + t * I;
-      for (int64_t k = 0; k < I; ++k) o[k] = g[k] / (1.0f + std::exp(-g[k])) * u[k];
+      int64_t k = 0;
+      for (; k + kLanes <= I; k += kLanes) {  // silu(g) * u = g / (1 + e^-g) * u, by vectors
+        const vecf gv = loadv(g + k), e = expv(-gv), ov = gv / (1.0f + e) * loadv(u + k);
+        std::memcpy(o + k, &ov, sizeof(ov));
+      }
+      for (; k < I; ++k) o[k] = g[k] / (1.0f + std::exp(-g[k])) * u[k];
     }
   });
   return y;
