@@ -30,6 +30,7 @@ from benchmarks.measure import (
     hf_decode_times,
     hf_generate_tokens_per_s,
     interleave,
+    kernel_line,
     machine_line,
     median_ms,
     read_bandwidth,
@@ -110,7 +111,8 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
 
     name = model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path
     lines = [
-        (f"Model `{name}`, float32; {machine_line(threads)}; {datetime.date.today()}; medians of "
+        (f"Model `{name}`, float32; {machine_line(threads)}; {kernel_line()}; "
+         f"{datetime.date.today()}; medians of "
          f"{rounds} interleaved rounds x {steps} steps; load average before / after the run "
          f"{LOAD_BEFORE:.1f} / {load_after:.1f} (well above 0, other processes shared the cores "
          "and disturbed the numbers)."),

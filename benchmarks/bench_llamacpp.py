@@ -37,6 +37,7 @@ from benchmarks.measure import (
     ROOT,
     MinisglRunner,
     bench_parser,
+    kernel_line,
     machine_line,
     median_ms,
     read_bandwidth,
@@ -288,7 +289,8 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
     import llama_cpp
 
     lines = [
-        (f"Model `{name}`, batch 1, greedy; {machine_line(threads)}; llama-cpp-python "
+        (f"Model `{name}`, batch 1, greedy; {machine_line(threads)}; {kernel_line()}; "
+         f"llama-cpp-python "
          f"{llama_cpp.__version__} (as many threads); {datetime.date.today()}; medians of "
          f"{rounds} rounds x {len(PROMPTS)} prompts x {steps} tokens, interleaved prompt by "
          f"prompt; load average before / after {LOAD_BEFORE:.1f} / {load_after:.1f}."),

@@ -1,5 +1,11 @@
 """Waiting threads under load: the fused kernels' matmuls of one decode step, several ways.
 
+Since 2026-12-02 (issue "the second backend at the memory limit") the kernels no longer use
+OpenMP: they run on their own threads (``Workers``, csrc/common.h), which take chunks from one
+counter, spin briefly (yielding the core after a few microseconds) and then sleep. The OpenMP
+settings below then change only torch's own ops; run with ``--other`` on a checkout of the
+kernels before that date to measure the OpenMP version beside today's. The history:
+
 A kernel that splits its work over two threads pays for a hand-off at every call: the other
 thread must be woken, and the caller waits for it at the end. Until this benchmark, the kernels
 used ``at::parallel_for`` (OpenMP, torch's libgomp), whose threads *spin* for about 3 ms after

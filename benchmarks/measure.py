@@ -66,6 +66,17 @@ def machine_line(threads: int | None = None) -> str:
             f"{f', OMP_WAIT_POLICY={wait}' if wait else ''}, torch {torch.__version__}")
 
 
+def kernel_line() -> str:
+    """The C++ kernels' build for a benchmark's header: the vector instructions it targets."""
+    from minisgl import kernel
+
+    module = kernel.load()
+    if module is None:
+        return f"C++ kernels unavailable ({kernel.unavailable_reason()})"
+    return (f"kernels built for {module.vector_isa()} ({module.vector_lanes()} floats per "
+            f"vector, MINISGL_KERNEL_ISA={os.environ.get('MINISGL_KERNEL_ISA') or 'native'})")
+
+
 def bench_parser(doc: str | None):
     """The options every decode benchmark takes: model, rounds, steps, threads, --no-readme."""
     import argparse
