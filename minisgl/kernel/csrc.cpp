@@ -8,8 +8,9 @@
 // Rows are spread over the kernels' own threads (split_rows, common.h) only when there are
 // enough of them (a prefill); a decode batch runs on the calling thread. `linear` is the
 // exception: a decode batch's matmul splits the weight's output features over the threads,
-// since reading the weight is the whole cost. The kernels live in the four headers of csrc/ (one translation unit: one
-// compiler run); the PYBIND11_MODULE block below names what Python can call.
+// since reading the weight is the whole cost. The kernels live in the four headers of csrc/
+// (one translation unit: one compiler run); the PYBIND11_MODULE block below names what
+// Python can call.
 #include "csrc/common.h"
 #include "csrc/small_ops.h"
 #include "csrc/linear.h"

@@ -41,7 +41,8 @@ void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
 // --- part 2: vectors ---
 // One vector register of floats, the widest this build's target has: 16 with AVX-512, 8 with
 // AVX2, 4 otherwise (SSE, an ARM laptop's NEON). The compiler's flags choose it (-march=native:
-// this CPU), and with it the number of vector registers, which bounds a kernel's running sums.
+// this CPU), and with it the number of vector registers (16 with AVX2, 32 with AVX-512 and
+// NEON), which bounds how many running sums a kernel keeps without spilling (linear.h).
 // GCC's vector extension lets one source serve all of them: `acc += x * w` on vecf is one
 // vector instruction (an FMA), and memcpy is how C++ reads a vector from any float address.
 #if defined(__AVX512F__)
@@ -60,11 +61,6 @@ void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
 #define MINISGL_LANES 4
 #define MINISGL_ISA "SSE2 (the x86-64 baseline) or scalar"
 #endif
-#if defined(__AVX512F__) || defined(__aarch64__)
-#define MINISGL_VREGS 32
-#else
-#define MINISGL_VREGS 16
-#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 inline void cpu_relax() { _mm_pause(); }  // "this thread is spinning": frees the core a little
@@ -77,7 +73,6 @@ inline void cpu_relax() {}
 namespace {
 
 constexpr int kLanes = MINISGL_LANES;
-constexpr int kVectorRegisters = MINISGL_VREGS;
 typedef float vecf __attribute__((vector_size(MINISGL_LANES * sizeof(float))));
 inline vecf loadv(const float* p) {
   vecf v;
