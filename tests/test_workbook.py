@@ -521,3 +521,45 @@ def test_cli_script_runs(built: Path):
                            str(built), "check"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "check: OK" in proc.stdout
+
+
+def test_an_error_inside_exercise_code_is_named_by_the_cell(monkeypatch):
+    """guard() installs an IPython handler: an error raised inside an exercise's code whose
+    message names no exercise gets a note naming it (the innermost exercise function on the
+    traceback, by qualified name); an error already naming one, or raised by the cell's own
+    code, is shown as it is."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    saved = shell.custom_exceptions, shell.CustomTB
+    monkeypatch.setattr(shell, "_minisgl_chapters", (REPO, ["01", "02"]), raising=False)
+    shell.set_custom_exc((Exception,), nbtools._note_the_exercise)
+    monkeypatch.syspath_prepend(str(REPO))
+    try:
+        def error_of(src: str) -> BaseException:
+            result = shell.run_cell(src, store_history=False)
+            assert result.error_in_exec is not None, src
+            return result.error_in_exec
+
+        def notes(err: BaseException) -> str:
+            return " ".join(getattr(err, "__notes__", []))
+
+        # a shape error raised inside rms_norm's body (Exercise 2.6)
+        err = error_of("import torch\nfrom minisgl.layers.norm import rms_norm\n"
+                       "rms_norm(torch.randn(3, 4), torch.randn(5), 1e-6)")
+        assert "Exercise 2.6" in notes(err) and "minisgl/layers/norm.py, in rms_norm" in notes(err)
+        # raised in a helper (the context) called from a method holding Exercise 2.5's region
+        err = error_of("from minisgl.core import reset_global_ctx\n"
+                       "from minisgl.distributed import reset_tp_info, set_tp_info\n"
+                       "from minisgl.layers.embedding import ParallelLMHead\n"
+                       "reset_global_ctx(); reset_tp_info(); set_tp_info(0, 1)\n"
+                       "head = ParallelLMHead(10, 4)\nreset_tp_info()\n"
+                       "head.load_state_dict({'weight': torch.randn(10, 4)})\n"
+                       "head.forward(torch.randn(2, 4))")
+        assert "Exercise 2.5" in notes(err) and "ParallelLMHead.forward" in notes(err), notes(err)
+        # the cell's own error, and one that already names an exercise: no note
+        assert not notes(error_of("raise ValueError('mine')"))
+        assert not notes(error_of("raise RuntimeError('Exercise 1.4: already named')"))
+        assert nbtools.exercise_of_error(ValueError("no traceback"), ["02"], REPO) is None
+    finally:
+        shell.custom_exceptions, shell.CustomTB = saved

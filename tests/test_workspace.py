@@ -12,6 +12,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -296,16 +297,80 @@ def test_a_scratch_notebook_is_never_run_by_the_test_command(tmp_path, monkeypat
     sys.path.insert(0, str(ROOT / "tools"))
     import test_all
 
-    (tmp_path / "notebooks").mkdir()
-    (tmp_path / "tests").mkdir()
+    for folder in ("notebooks", "solutions", "tests"):
+        (tmp_path / folder).mkdir()
     (tmp_path / "tests" / "test_ch01_x.py").write_text("")
     for name in ("01_a.ipynb", "_scratch.ipynb"):
         (tmp_path / "notebooks" / name).write_text("{}")
+        (tmp_path / "solutions" / name).write_text("{}")
+    # a learner copy with its solution's code cells (no exercises) is run once, as the solution
+    same = json.dumps({"cells": [{"cell_type": "code", "source": ["print(1)"]}]})
+    (tmp_path / "notebooks" / "02_b.ipynb").write_text(same)
+    (tmp_path / "solutions" / "02_b.ipynb").write_text(same)
     monkeypatch.setattr(test_all, "ROOT", tmp_path)
-    for steps in (test_all.steps(), test_all.steps(chapter="01")):
-        args = [a for _, cmd in steps for a in cmd]
+    assert "notebooks/02_b.ipynb" not in [a for part in test_all.parts() for a in part.cmd]
+    for parts in (test_all.parts(), test_all.parts(chapter="01")):
+        args = [a for part in parts for a in part.cmd]
         assert "notebooks/01_a.ipynb" in args, args
-        assert not [a for a in args if "_scratch" in a or a == "notebooks"], args
+        assert not [a for a in args if "_scratch" in a or a in ("notebooks", "solutions")], args
+
+
+def test_the_test_command_runs_every_test_file_once(tmp_path, monkeypatch):
+    """`make test` cuts the suite into parts run two at a time: every tests/test_*.py file is in
+    exactly one part, or is one of the per-chapter files cut by -k, whose cuts cover it."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import test_all
+
+    files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
+    cmds = [part.cmd for part in test_all.parts()]
+    named = [a for cmd in cmds for a in cmd if a.startswith("tests/")]
+    whole = [f for f in files if f not in test_all.PER_CHAPTER and f != "tests/test_wrong_modules.py"]
+    assert sorted(f for f in named if f in whole) == whole, (
+        "a test file is in no part, or in two: fix GROUPS in tools/test_all.py")
+    wrong = [" ".join(c) for c in cmds if "tests/test_wrong_modules.py" in c]
+    assert any("not notebook_checks" in w for w in wrong)
+    for ch in test_all.CELL_CHAPTERS:
+        assert sum(f"notebook_checks and ch{ch}" in w for w in wrong) == 1, ch
+    from test_wrong_modules import CELL_CHAPTERS
+    assert test_all.CELL_CHAPTERS == CELL_CHAPTERS
+    browser = sorted(" ".join(c[c.index("tests/test_browser.py"):]) for c in cmds
+                     if "tests/test_browser.py" in c)
+    assert browser == ["tests/test_browser.py -k not solution_notebook",
+                       "tests/test_browser.py -k solution_notebook"], browser
+    sols = sorted(p.stem for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+    assert sorted(c[-1] for c in cmds if "tests/test_notebooks.py" in c) == sols
+
+
+def test_the_test_command_stops_a_part_past_its_limit(tmp_path, monkeypatch, capsys):
+    """A part that hangs is stopped at its limit, with what it started, and reported failed;
+    the other parts still run and their output is printed whole."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import test_all
+
+    monkeypatch.setattr(test_all, "PART_LIMIT_S", 3)
+    marker = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    hang = [PY, "-c", script]
+    quick = [PY, "-c", "print('part two says hello')"]
+    t0 = time.monotonic()
+    results = test_all.run_parts([test_all.Part("hangs", hang, 10), test_all.Part("two", quick)],
+                                 2, dict(os.environ), tmp_path)
+    assert time.monotonic() - t0 < 30
+    assert sorted((n, c) for n, c, _ in results) == [("hangs", 124), ("two", 0)]
+    out = capsys.readouterr().out
+    assert "part two says hello" in out and "ran past its 3 s limit" in out, out
+    child = int(marker.read_text())
+    for _ in range(50):
+        try:  # gone, or a zombie waiting for init to reap it
+            if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the hanging part's child {child} survived")
 
 
 @pytest.mark.parametrize("args", [["check"], ["build"], ["reset", "04"], ["workspace"]])

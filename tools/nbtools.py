@@ -220,6 +220,7 @@ def guard(chapter: str, *, root: Path | None = None, cwd: Path | None = None) ->
             f"workspace/notebooks/{name}. Run `make lab` (it creates workspace/ the first time) "
             "and open it there: its cells write your package, workspace/minisgl/.")
     register_writefile()
+    _install_exercise_notes(nn, root)
     from_solutions = cwd.name == "solutions"
     versions = {rel: pair[0] if from_solutions else pair[1]
                 for rel, pair in wb.chapter_versions(root, nn).items()}
@@ -247,30 +248,102 @@ def earlier_chapters(nn: str, root: Path) -> list[str]:
     return re.findall(r"\d\d", found[1]) if found else []
 
 
-def _exercise_of_crash(exc: BaseException, nn: str, root: Path) -> str | None:
-    """'Exercise N.M' for an error raised inside the learner's code: the innermost frame in a
-    module of chapter NN whose function holds an exercise region in the reference."""
+def _regions_by_function(reference: str) -> dict[str, list[str]]:
+    """Qualified function name ('ParallelLMHead.forward') -> the exercise numbers whose regions
+    its body holds, in a module's reference text."""
     import ast
+
+    lines, found = reference.splitlines(), {}
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                ids = [m[1] for line in lines[child.lineno - 1:child.end_lineno]
+                       if (m := wb.MARKER.match(line)) and m[2] == "BEGIN"
+                       and (m := re.search(r"(\d+\.\d+)", m[3]))]
+                if ids:
+                    found[name] = list(dict.fromkeys(ids))
+                visit(child, f"{name}.<locals>.")
+
+    visit(ast.parse(reference), "")
+    return found
+
+
+@functools.lru_cache(maxsize=32)
+def _exercise_functions(root: Path, chapters: tuple[str, ...]) -> dict[str, dict[str, list[str]]]:
+    """Module path ('minisgl/layers/norm.py') -> its functions that hold exercise regions, over
+    the given chapters' reference modules (a module written by two chapters: both merged)."""
+    table: dict[str, dict[str, list[str]]] = {}
+    for nn in chapters:
+        for rel, (reference, _) in wb.chapter_versions(root, nn).items():
+            if rel.endswith(".py"):
+                table.setdefault(rel, {}).update(_regions_by_function(reference))
+    return table
+
+
+def exercise_of_error(exc: BaseException, chapters: list[str], root: Path
+                      ) -> tuple[str, str] | None:
+    """('Exercise N.M', 'minisgl/x.py, in Class.method') for an error raised inside the learner's
+    code: the innermost frame, in a module of the given chapters, whose function holds an
+    exercise region in the reference; None when no such frame is on the traceback."""
     import traceback
 
-    versions = wb.chapter_versions(root, nn)
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        parts = Path(frame.filename).parts
+    table = _exercise_functions(root.resolve(), tuple(chapters))
+    for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        parts = Path(frame.f_code.co_filename).parts
         if "minisgl" not in parts:
             continue
         rel = "/".join(parts[len(parts) - parts[::-1].index("minisgl") - 1:])
-        if rel not in versions:
-            continue
-        reference = versions[rel][0]
-        lines = reference.splitlines()
-        for node in ast.walk(ast.parse(reference)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == frame.name:
-                body = lines[node.lineno - 1:node.end_lineno]
-                ids = [m[1] for line in body if (m := wb.MARKER.match(line)) and m[2] == "BEGIN"
-                       and (m := re.search(r"(\d+\.\d+)", m[3]))]
-                if ids:
-                    return "Exercise " + " / ".join(dict.fromkeys(ids))
+        functions = table.get(rel, {})
+        code = frame.f_code
+        name = getattr(code, "co_qualname", code.co_name)  # Python 3.10: the bare name
+        ids = functions.get(name) or next(
+            (v for k, v in functions.items() if k.rsplit(".", 1)[-1] == name), None)
+        if ids:
+            return "Exercise " + " / ".join(ids), f"{rel}, in {name}"
     return None
+
+
+def _exercise_of_crash(exc: BaseException, nn: str, root: Path) -> str | None:
+    """'Exercise N.M' for an error raised inside the learner's code of chapter NN."""
+    found = exercise_of_error(exc, [nn], root)
+    return found[0] if found else None
+
+
+NAMED = re.compile(r"Exercise \d+\.\d+")
+
+
+def _note_the_exercise(shell, etype, value, tb, tb_offset=None):
+    """IPython's handler for an error a cell raises (installed by guard): an error raised
+    inside the learner's exercise code whose message names no exercise gets a note naming the
+    exercise whose code raised it, shown under the error; then the usual traceback."""
+    try:
+        told = str(value) + " ".join(getattr(value, "__notes__", []))
+        chapters = getattr(shell, "_minisgl_chapters", None)
+        if chapters and not NAMED.search(told):
+            found = exercise_of_error(value, chapters[1], chapters[0])
+            if found:
+                value.add_note(f"{found[0]}: this error was raised inside your code for "
+                               f"{found[0]} ({found[1]}); look there first, then run its "
+                               "cell again")
+    finally:
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset, running_compiled_code=True)
+
+
+def _install_exercise_notes(nn: str, root: Path) -> None:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    chapters = [c for c in sorted(wb.solution_notebooks(root)[0]) if c <= nn]
+    shell._minisgl_chapters = (root, chapters)
+    shell.set_custom_exc((Exception,), _note_the_exercise)
 
 
 class EarlierChapterError(Exception):

@@ -1,31 +1,43 @@
-"""Run the workbook's checks, in order, and say how long each step took.
+"""Run the workbook's checks and say how long each part took.
 
     python tools/test_all.py               everything (`make test`, what CI runs)
     python tools/test_all.py --chapter 04  one chapter (`make test CH=04`)
     python tools/test_all.py --quick       the quick tier (`make test-quick`)
+    add --jobs 1 to run the parts one after another (default: one part per CPU, at most 2)
 
 Everything, after set-up:
 1. `tools/workbook.py check`: generated files in sync, notebooks stripped, markers well formed;
 2. `pytest tests/`: every chapter's tests, the toolchain's tests, the bad-input catalogue, the
    milestone script, the wrong modules, the browser test, and every solution notebook run twice
-   in a row in one kernel (tests/test_notebooks.py; one after another, since they all write the
-   same minisgl/ files);
+   in a row in one kernel (tests/test_notebooks.py, in a copy of the checkout);
 3. the learner notebooks `notebooks/NN_*.ipynb` under nbmake (their %%writefile cells are tagged
-   skip-execution, so they run against the reference package); a scratch notebook
-   (`notebooks/_*.ipynb`) is never run.
-`--chapter NN` runs step 1, then in step 2 only chapter NN's tests, its wrong modules, its
-notebooks (twice in one kernel, and in the browser), and in step 3 only its learner notebook.
-`--quick` runs step 1, then step 2 without the tests marked `slow` or `browser` (pyproject.toml).
-Every step runs even when an earlier one failed; the exit code is non-zero if any failed.
+   skip-execution, so they run against the reference package and write nothing); a scratch
+   notebook (`notebooks/_*.ipynb`) is never run, nor a learner copy whose code cells are its
+   solution's (chapter 07, which has no exercises: step 2 runs the same cells).
+Steps 2 and 3 are cut into parts (one pytest process each: a chapter's wrong versions, a
+solution notebook, a learner notebook, a group of test files) that run two at a time, the
+longest first. Two at a time is safe because no part writes into the checkout: the tests that
+write work in copies of it, and the kernels' build cache takes a lock. Each part's output is
+printed whole when it ends, so two parts never interleave their lines.
+`--chapter NN` runs step 1, then only chapter NN's tests, its wrong modules, its notebooks (twice
+in one kernel, and in the browser) and its learner notebook.
+`--quick` runs step 1, then step 2 without the tests marked `slow` or `browser` (pyproject.toml),
+in the same groups of test files.
+Every part runs even when another failed; the exit code is non-zero if any failed. A part that
+runs past its limit is stopped (with everything it started) and reported as failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,56 +45,184 @@ PY = sys.executable
 NB_TIMEOUT = "600"  # seconds per cell
 # the files whose tests are parametrized by chapter ("04_kv_pool_and_page_table", "ch04-ex4.1-...")
 PER_CHAPTER = ["tests/test_notebooks.py", "tests/test_wrong_modules.py", "tests/test_browser.py"]
+CELL_CHAPTERS = ["00", "01", "02", "03", "04", "05", "06"]  # tests/test_wrong_modules.py's
+
+
+PART_LIMIT_S = 3600  # one part's limit: far above the slowest part (~10 min) on a busy machine
 
 
 def _files(pattern: str) -> list[str]:
     return sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob(pattern))
 
 
-def steps(quick: bool = False, chapter: str | None = None) -> list[tuple[str, list[str]]]:
-    pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+def _same_code(learner: Path, solution: Path) -> bool:
+    """Whether a learner copy's code cells are its solution's, source for source (a chapter
+    without exercises): nbmake would run what tests/test_notebooks.py runs already."""
+    def code(path: Path) -> list[str] | None:
+        try:
+            cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        except (OSError, ValueError, KeyError):
+            return None
+        return ["".join(c["source"]) for c in cells if c.get("cell_type") == "code"]
+
+    mine = code(learner)
+    return mine is not None and mine == code(solution)
+
+
+@dataclass
+class Part:
+    name: str
+    cmd: list[str]
+    weight: float = 20.0  # rough seconds (WEIGHTS): the longest parts start first
+    env: dict = field(default_factory=dict)
+
+
+# rough seconds of the slower parts (measured in a `make test` on a busy 2-core AMD EPYC): the
+# longest start first, so that the two lanes end together
+WEIGHTS = {"wrong versions ch06": 900, "browser, solutions": 800, "solution notebook 07": 640,
+           "browser, the rest": 620, "tests, group 1": 530, "solution notebook 03": 285,
+           "tests, group 4": 265, "tests, group 2": 220, "wrong versions ch03": 180,
+           "learner notebook 03": 165, "solution notebook 06": 160, "tests, group 3": 130,
+           "wrong versions ch00": 120, "wrong versions ch05": 110, "wrong modules": 110,
+           "learner notebook 06": 60, "solution notebook 00": 60, "wrong versions ch04": 50,
+           "learner notebook 00": 45, "wrong versions ch02": 40, "solution notebook 05": 35}
+# the test files that are neither per-chapter parts nor notebooks, in groups of similar size
+GROUPS = [["tests/test_ch07_*.py", "tests/test_tp.py"],
+          ["tests/test_ch06_*.py", "tests/test_ch05_*.py", "tests/test_gpu.py",
+           "tests/test_fi_metadata.py"],
+          ["tests/test_ch0[0-4]_*.py"],
+          ["tests/test_*.py"]]  # the rest
+
+
+def parts(quick: bool = False, chapter: str | None = None) -> list[Part]:
+    pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5"]
     learner = [*pytest, "--nbmake", f"--nbmake-timeout={NB_TIMEOUT}"]
-    check = ("workbook check", [PY, "tools/workbook.py", "check"])
-    if quick:
-        return [check, ("pytest tests/ (quick)", [*pytest, "tests", "-m", "not slow and not browser"])]
+    # the notebooks' own test cells would re-run tests/test_chNN_*.py, which the tests run
+    skip_tests = {"MINISGL_SKIP_CHAPTER_TESTS": "1"}
+    if quick:  # the test-file groups, without the slow and browser tests
+        quick_parts, taken = [], set()
+        for i, patterns in enumerate(GROUPS, 1):
+            files = [f for p in patterns for f in _files(p) if f not in taken]
+            taken.update(files)
+            if files:
+                quick_parts.append(Part(f"quick tests, group {i}",
+                                        [*pytest, *files, "-m", "not slow and not browser"]))
+        return quick_parts
     if chapter:
         tests = _files(f"tests/test_ch{chapter}_*.py")
         if not tests:
             raise SystemExit(f"no tests/test_ch{chapter}_*.py: is {chapter} a chapter?")
         selected = [*tests, *PER_CHAPTER, "-k", f"ch{chapter} or {chapter}_"]
-        return [check, (f"chapter {chapter} tests", [*pytest, *selected]),
-                ("learner notebooks", [*learner, *_files(f"notebooks/{chapter}_*.ipynb")])]
-    return [check, ("pytest tests/", [*pytest, "tests"]),
-            ("learner notebooks", [*learner, *_files("notebooks/[0-9][0-9]_*.ipynb")])]
+        return [Part(f"chapter {chapter} tests", [*pytest, *selected]),
+                Part("learner notebook", [*learner, *_files(f"notebooks/{chapter}_*.ipynb")],
+                     env=skip_tests)]
+    out: list[Part] = []
+    for c in CELL_CHAPTERS:
+        out.append(Part(f"wrong versions ch{c}", [*pytest, "tests/test_wrong_modules.py", "-k",
+                                                  f"notebook_checks and ch{c}"]))
+    out.append(Part("wrong modules", [*pytest, "tests/test_wrong_modules.py", "-k",
+                                      "not notebook_checks"]))
+    # the browser test in two parts (one JupyterLab each): the slowest file of all
+    out.append(Part("browser, solutions", [*pytest, "tests/test_browser.py", "-k",
+                                           "solution_notebook"]))
+    out.append(Part("browser, the rest", [*pytest, "tests/test_browser.py", "-k",
+                                          "not solution_notebook"]))
+    for nb in _files("solutions/[0-9][0-9]_*.ipynb"):
+        stem = Path(nb).stem
+        out.append(Part(f"solution notebook {stem[:2]}",
+                        [*pytest, "tests/test_notebooks.py", "-k", stem]))
+    for nb in _files("notebooks/[0-9][0-9]_*.ipynb"):
+        if _same_code(ROOT / nb, ROOT / "solutions" / Path(nb).name):
+            continue  # no exercises (chapter 07): the solution notebook's run is this one's
+        out.append(Part(f"learner notebook {Path(nb).name[:2]}", [*learner, nb], env=skip_tests))
+    taken = {*PER_CHAPTER, "tests/test_wrong_modules.py"}
+    for i, patterns in enumerate(GROUPS, 1):
+        files = [f for p in patterns for f in _files(p) if f not in taken]
+        taken.update(files)
+        if files:
+            out.append(Part(f"tests, group {i}", [*pytest, *files]))
+    for part in out:
+        part.weight = WEIGHTS.get(part.name, part.weight)
+    return out
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a part and everything it started (it leads its own process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_parts(todo: list[Part], jobs: int, env: dict, logs: Path) -> list[tuple[str, int, float]]:
+    """Run the parts, `jobs` at a time, longest first; print each one's output when it ends."""
+    pending = sorted(todo, key=lambda p: -p.weight)
+    running: dict[subprocess.Popen, tuple[Part, float, Path]] = {}
+    results = []
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                part = pending.pop(0)
+                log = logs / f"{len(results) + len(running):02d}.log"
+                with open(log, "wb") as out:
+                    proc = subprocess.Popen(part.cmd, cwd=ROOT, env={**env, **part.env},
+                                            stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+                running[proc] = (part, time.perf_counter(), log)
+                print(f"--- started  {part.name}", flush=True)
+            time.sleep(0.5)
+            for proc in [p for p in running if p.poll() is not None
+                         or time.perf_counter() - running[p][1] > PART_LIMIT_S]:
+                part, t0, log = running.pop(proc)
+                code, note = proc.poll(), ""
+                if code is None:
+                    _stop(proc)
+                    code, note = 124, (f"\n(stopped: {part.name} ran past its {PART_LIMIT_S} s "
+                                       f"limit; run it alone to see where it hangs:\n  "
+                                       f"{' '.join(part.cmd[1:])})\n")
+                if code == 5 and "pytest" in part.cmd:  # nothing collected (e.g. no notebooks)
+                    code, note = 0, f"({part.name}: nothing to run yet)\n"
+                secs = time.perf_counter() - t0
+                print(f"\n=== {part.name} ({secs:.0f} s, {'ok' if code == 0 else 'FAILED'}): "
+                      f"{' '.join(part.cmd[1:])}", flush=True)
+                sys.stdout.write(log.read_text(errors="replace") + note)
+                sys.stdout.flush()
+                results.append((part.name, code, secs))
+    finally:  # interrupted: stop what still runs
+        for proc in running:
+            _stop(proc)
+    return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="leave out slow and browser tests")
     parser.add_argument("--chapter", type=lambda s: f"{int(s):02d}", help="one chapter, e.g. 04")
+    parser.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
+                        help="parts run at once (default: the CPUs, at most 2)")
     args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error("--jobs must be 1 or more")
     # MINISGL_WORKBOOK_TEST=1: the generated learner copies in notebooks/ run (a learner opening
     # one is sent to their workspace/ copy instead; see tools/nbtools.py's guard)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", PYTHONDONTWRITEBYTECODE="1",
                MINISGL_WORKBOOK_TEST="1")
     env.pop("MINISGL_PACKAGE_TREE", None)  # the tests check the reference package
-    results = []
     t_all = time.perf_counter()
-    for name, cmd in steps(args.quick, args.chapter):
-        print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
-        t0 = time.perf_counter()
-        # the notebooks' own test cells would re-run tests/test_chNN_*.py, which step 2 ran
-        step_env = dict(env, MINISGL_SKIP_CHAPTER_TESTS="1") if name == "learner notebooks" \
-            else env
-        code = subprocess.run(cmd, cwd=ROOT, env=step_env, check=False).returncode
-        if code == 5 and "pytest" in cmd:  # pytest: nothing collected (e.g. no notebooks yet)
-            print(f"({name}: nothing to run yet)")
-            code = 0
-        results.append((name, code, time.perf_counter() - t0))
+    print("=== workbook check", flush=True)
+    t0 = time.perf_counter()
+    code = subprocess.run([PY, "tools/workbook.py", "check"], cwd=ROOT, env=env,
+                          check=False).returncode
+    results = [("workbook check", code, time.perf_counter() - t0)]
+    todo = parts(args.quick, args.chapter)
+    print(f"=== {len(todo)} parts, {min(args.jobs, len(todo))} at a time", flush=True)
+    with tempfile.TemporaryDirectory(prefix="minisgl-test-") as logs:
+        results += run_parts(todo, args.jobs, env, Path(logs))
     print("\n=== summary")
     for name, code, secs in results:
-        print(f"  {'ok  ' if code == 0 else 'FAIL'}  {name:<20} {secs:7.1f} s")
+        print(f"  {'ok  ' if code == 0 else 'FAIL'}  {name:<24} {secs:7.1f} s")
     failed = [name for name, code, _ in results if code != 0]
     print(f"  total {time.perf_counter() - t_all:.1f} s"
           + (f"; failed: {', '.join(failed)}" if failed else "; all passed"))
