@@ -416,6 +416,11 @@ def test_notebook_checks_catch_wrong_exercises(chapter, repo_files, tmp_path):
     assert proc.returncode == 0 and result.exists(), (
         f"the runner failed (exit {proc.returncode}):\n{output[-4000:]}")
     report = json.loads(result.read_text())
+    slowest = sorted(((r.get("seconds", 0), cid) for cid, r in report["results"].items()),
+                     reverse=True)[:3]
+    print(f"chapter {chapter}: the slowest wrong versions (each runs its build cell and the cells "
+          f"after it, up to the last that names its exercise): "
+          + ", ".join(f"{cid} {sec:.0f} s" for sec, cid in slowest))
     problems, missed = [], set()
     if report["baseline_error"]:
         problems.append(f"the reference notebook itself failed: {report['baseline_error']}")

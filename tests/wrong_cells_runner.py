@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 import traceback
 
 CELL_TIMEOUT_S = 300
@@ -99,7 +100,7 @@ def main(plan_path: str, result_path: str) -> int:
             if problem:
                 results[case["id"]] = {"problem": problem}
                 continue
-            outcome = {"failed_cell": None}
+            outcome, began = {"failed_cell": None}, time.perf_counter()
             for p in range(pos, end + 1):
                 err = run(mutated if p == pos else cells[p][1])
                 if err is not None:
@@ -107,6 +108,7 @@ def main(plan_path: str, result_path: str) -> int:
                                "cell_mentions": f"Exercise {case['exercise']}" in cells[p][1],
                                "build_cell": index}
                     break
+            outcome["seconds"] = round(time.perf_counter() - began, 2)
             results[case["id"]] = outcome
             print(f"[wrong cells] {case['id']}: {outcome}", flush=True)
         err = run(src)
