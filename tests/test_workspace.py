@@ -349,8 +349,9 @@ def test_the_test_command_stops_a_part_past_its_limit(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(test_all, "PART_LIMIT_S", 3)
     marker = tmp_path / "child.pid"
-    script = ("import subprocess, sys, time; "
-              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    script = ("import os, subprocess, sys, time; "  # the child in a process group of its own
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+              "preexec_fn=os.setpgrp); "
               f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(600)")
     hang = [PY, "-c", script]
     quick = [PY, "-c", "print('part two says hello')"]

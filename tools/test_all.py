@@ -146,12 +146,26 @@ def parts(quick: bool = False, chapter: str | None = None) -> list[Part]:
     return out
 
 
+def _session_members(sid: int) -> list[int]:
+    """The processes of session `sid` (a compiler that ninja put in a group of its own is one)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # after the name: state, ppid, pgrp, session
+            found.append(int(stat.parent.name))
+    return found
+
+
 def _stop(proc: subprocess.Popen) -> None:
-    """Stop a part and everything it started (it leads its own process group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """Stop a part and everything it started: it leads its own session and process group."""
+    for pid in [proc.pid, *_session_members(proc.pid)]:
+        try:
+            os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     proc.wait()
 
 
