@@ -94,20 +94,26 @@ GROUPS = [["tests/test_ch07_*.py", "tests/test_tp.py"],
           ["tests/test_*.py"]]  # the rest
 
 
+def _groups(taken: set[str]) -> list[tuple[int, list[str]]]:
+    """(number, files) of each non-empty group of GROUPS; a file goes to the first group that
+    matches it, and the files in `taken` to none."""
+    out = []
+    for i, patterns in enumerate(GROUPS, 1):
+        files = [f for p in patterns for f in _files(p) if f not in taken]
+        taken = taken | set(files)
+        if files:
+            out.append((i, files))
+    return out
+
+
 def parts(quick: bool = False, chapter: str | None = None) -> list[Part]:
     pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5"]
     learner = [*pytest, "--nbmake", f"--nbmake-timeout={NB_TIMEOUT}"]
     # the notebooks' own test cells would re-run tests/test_chNN_*.py, which the tests run
     skip_tests = {"MINISGL_SKIP_CHAPTER_TESTS": "1"}
     if quick:  # the test-file groups, without the slow and browser tests
-        quick_parts, taken = [], set()
-        for i, patterns in enumerate(GROUPS, 1):
-            files = [f for p in patterns for f in _files(p) if f not in taken]
-            taken.update(files)
-            if files:
-                quick_parts.append(Part(f"quick tests, group {i}",
-                                        [*pytest, *files, "-m", "not slow and not browser"]))
-        return quick_parts
+        return [Part(f"quick tests, group {i}", [*pytest, *files, "-m", "not slow and not browser"])
+                for i, files in _groups(set())]
     if chapter:
         tests = _files(f"tests/test_ch{chapter}_*.py")
         if not tests:
@@ -135,12 +141,8 @@ def parts(quick: bool = False, chapter: str | None = None) -> list[Part]:
         if _same_code(ROOT / nb, ROOT / "solutions" / Path(nb).name):
             continue  # no exercises (chapter 07): the solution notebook's run is this one's
         out.append(Part(f"learner notebook {Path(nb).name[:2]}", [*learner, nb], env=skip_tests))
-    taken = {*PER_CHAPTER, "tests/test_wrong_modules.py"}
-    for i, patterns in enumerate(GROUPS, 1):
-        files = [f for p in patterns for f in _files(p) if f not in taken]
-        taken.update(files)
-        if files:
-            out.append(Part(f"tests, group {i}", [*pytest, *files]))
+    out += [Part(f"tests, group {i}", [*pytest, *files])
+            for i, files in _groups({*PER_CHAPTER, "tests/test_wrong_modules.py"})]
     for part in out:
         part.weight = WEIGHTS.get(part.name, part.weight)
     return out
@@ -163,7 +165,10 @@ def _stop(proc: subprocess.Popen) -> None:
     """Stop a part and everything it started: it leads its own session and process group."""
     for pid in [proc.pid, *_session_members(proc.pid)]:
         try:
-            os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
+            if pid == proc.pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
     proc.wait()
