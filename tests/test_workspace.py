@@ -374,6 +374,37 @@ def test_the_test_command_stops_a_part_past_its_limit(tmp_path, monkeypatch, cap
         raise AssertionError(f"the hanging part's child {child} survived")
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs an OS that can pin and 2 CPUs")
+def test_the_test_command_gives_each_lane_its_own_cpus(tmp_path, capsys):
+    """Two parts at a time never share a core (sharing made each 2-4x slower), and each part
+    and what it starts sees only its lane's CPUs: torch's default thread count follows."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import test_all
+
+    show = [PY, "-c", "import os, subprocess, sys, time; time.sleep(1); "
+            "print('cpus', sorted(os.sched_getaffinity(0)), subprocess.run([sys.executable, '-c', "
+            "'import os; print(sorted(os.sched_getaffinity(0)))'], capture_output=True, "
+            "text=True).stdout.strip())"]
+    results = test_all.run_parts([test_all.Part(f"p{i}", show) for i in range(3)], 2,
+                                 dict(os.environ), tmp_path)
+    assert [c for _, c, _ in results] == [0, 0, 0]
+    seen = [line.split(" ", 1)[1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("cpus ")]
+    assert len(seen) == 3
+    mine = sorted(os.sched_getaffinity(0))
+    sets = []
+    for line in seen:
+        own, child = line.split("] ")
+        own = set(int(c) for c in own.strip("[").split(", "))
+        assert child.strip("[]").split(", ") == [str(c) for c in sorted(own)], (
+            f"a part's child left its lane: {line}")
+        sets.append(own)
+    assert sets[0].isdisjoint(sets[1]) and sets[0] | sets[1] == set(mine), (
+        f"the two lanes should split this machine's CPUs {mine}: {sets}")
+    assert sets[2] in sets[:2], "the third part should take the lane the first one freed"
+
+
 @pytest.mark.parametrize("args", [["check"], ["build"], ["reset", "04"], ["workspace"]])
 def test_tools_under_a_python_without_the_packages_point_at_the_venv(tmp_path, args):
     """The plain `python3` of a fresh machine (`-S`: no site-packages, so no nbformat) gets told

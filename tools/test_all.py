@@ -16,8 +16,10 @@ Everything, after set-up:
    solution's (chapter 07, which has no exercises: step 2 runs the same cells).
 Steps 2 and 3 are cut into parts (one pytest process each: a chapter's wrong versions, a
 solution notebook, a learner notebook, a group of test files) that run two at a time, the
-longest first. Two at a time is safe because no part writes into the checkout: the tests that
-write work in copies of it, and the kernels' build cache takes a lock. Each part's output is
+longest first, each lane pinned to its own CPUs (half of them each): two torch processes on
+the same cores run 2-4x slower than one after the other. Two at a time is safe because no part
+writes into the checkout: the tests that write work in copies of it, and the kernels' build
+cache takes a lock. Each part's output is
 printed whole when it ends, so two parts never interleave their lines.
 `--chapter NN` runs step 1, then only chapter NN's tests, its wrong modules, its notebooks (twice
 in one kernel, and in the browser) and its learner notebook.
@@ -77,15 +79,17 @@ class Part:
     env: dict = field(default_factory=dict)
 
 
-# rough seconds of the slower parts (measured in a `make test` on a busy 2-core AMD EPYC): the
-# longest start first, so that the two lanes end together
-WEIGHTS = {"wrong versions ch06": 900, "browser, solutions": 800, "solution notebook 07": 640,
-           "browser, the rest": 620, "tests, group 1": 530, "solution notebook 03": 285,
-           "tests, group 4": 265, "tests, group 2": 220, "wrong versions ch03": 180,
-           "learner notebook 03": 165, "solution notebook 06": 160, "tests, group 3": 130,
-           "wrong versions ch00": 120, "wrong versions ch05": 110, "wrong modules": 110,
-           "learner notebook 06": 60, "solution notebook 00": 60, "wrong versions ch04": 50,
-           "learner notebook 00": 45, "wrong versions ch02": 40, "solution notebook 05": 35}
+# seconds of the slower parts, measured in one `make test` on an idle 2-core AMD EPYC (Zen 3),
+# each lane pinned to one core (20 min in all): the longest start first, so that the two lanes
+# end together
+WEIGHTS = {"tests, group 1": 358, "browser, solutions": 339, "wrong versions ch06": 316,
+           "tests, group 4": 280, "browser, the rest": 233, "wrong modules": 120,
+           "solution notebook 07": 87, "wrong versions ch05": 65, "wrong versions ch03": 62,
+           "wrong versions ch02": 54, "tests, group 2": 46, "wrong versions ch04": 40,
+           "solution notebook 03": 37, "wrong versions ch00": 37, "solution notebook 06": 36,
+           "solution notebook 05": 32, "tests, group 3": 31, "learner notebook 05": 29,
+           "learner notebook 03": 27, "solution notebook 00": 27, "learner notebook 06": 26,
+           "wrong versions ch01": 23, "learner notebook 00": 22}
 # the test files that are neither per-chapter parts nor notebooks, in groups of similar size
 GROUPS = [["tests/test_ch07_*.py", "tests/test_tp.py"],
           ["tests/test_ch06_*.py", "tests/test_ch05_*.py", "tests/test_gpu.py",
@@ -148,6 +152,11 @@ def parts(quick: bool = False, chapter: str | None = None) -> list[Part]:
     return out
 
 
+def _pin(cpus: set[int] | None):
+    """What the child runs before the part: pin it (and all it starts) to `cpus`."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
 def _session_members(sid: int) -> list[int]:
     """The processes of session `sid` (a compiler that ninja put in a group of its own is one)."""
     found = []
@@ -174,26 +183,44 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def lanes(jobs: int) -> list[set[int] | None]:
+    """The CPUs of each lane: this process's CPUs cut into `jobs` disjoint sets, so that two
+    parts never share a core (None for every lane where the OS cannot pin, or cores are fewer
+    than lanes). Two torch processes that each spin 2 threads on the same 2 cores run 2-4x
+    slower than one after the other; pinned, each one's torch and Engine see one core."""
+    if not hasattr(os, "sched_getaffinity"):
+        return [None] * jobs
+    cpus = sorted(os.sched_getaffinity(0))
+    if jobs < 2 or len(cpus) < jobs:
+        return [None] * jobs
+    return [set(cpus[i::jobs]) for i in range(jobs)]
+
+
 def run_parts(todo: list[Part], jobs: int, env: dict, logs: Path) -> list[tuple[str, int, float]]:
-    """Run the parts, `jobs` at a time, longest first; print each one's output when it ends."""
+    """Run the parts, `jobs` at a time, longest first, each lane on its own CPUs (`lanes`);
+    print each part's output when it ends."""
     pending = sorted(todo, key=lambda p: -p.weight)
-    running: dict[subprocess.Popen, tuple[Part, float, Path]] = {}
+    free = lanes(jobs)
+    running: dict[subprocess.Popen, tuple[Part, float, Path, set[int] | None]] = {}
     results = []
     try:
         while pending or running:
-            while pending and len(running) < jobs:
-                part = pending.pop(0)
+            while pending and free:
+                part, cpus = pending.pop(0), free.pop(0)
                 log = logs / f"{len(results) + len(running):02d}.log"
                 with open(log, "wb") as out:
                     proc = subprocess.Popen(part.cmd, cwd=ROOT, env={**env, **part.env},
                                             stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-                running[proc] = (part, time.perf_counter(), log)
-                print(f"--- started  {part.name}", flush=True)
+                                            start_new_session=True,
+                                            preexec_fn=_pin(cpus))
+                running[proc] = (part, time.perf_counter(), log, cpus)
+                print(f"--- started  {part.name}"
+                      + (f" (CPUs {','.join(map(str, sorted(cpus)))})" if cpus else ""), flush=True)
             time.sleep(0.5)
             for proc in [p for p in running if p.poll() is not None
                          or time.perf_counter() - running[p][1] > PART_LIMIT_S]:
-                part, t0, log = running.pop(proc)
+                part, t0, log, cpus = running.pop(proc)
+                free.append(cpus)
                 code, note = proc.poll(), ""
                 if code is None:
                     _stop(proc)
