@@ -681,15 +681,16 @@ def test_rmsnorm_matches_hf(dtype):
         "float32, cast back to x's dtype, then multiply by the weight (in that order)\n" + m))
 
 
+@pytest.mark.parametrize("eps", [1e-6, 0.3])  # the op's own eps (a model's config sets it)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_add_rmsnorm(dtype):
+def test_fused_add_rmsnorm(dtype, eps):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    ref = LlamaRMSNorm(16, eps=1e-6)
+    ref = LlamaRMSNorm(16, eps=eps)
     with torch.no_grad():
         ref.weight.copy_(randn(16, seed=62) + 1)
     ref = ref.to(dtype)
-    fused = RMSNormFused(16, 1e-6)
+    fused = RMSNormFused(16, eps)
     fused.weight = ref.weight.detach().clone()
     x = randn(4, 16, seed=63).to(dtype)
     out, res = fused.forward(x, None)

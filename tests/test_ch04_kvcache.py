@@ -454,3 +454,20 @@ def quick_check() -> None:
 
 def test_quick_check():
     quick_check()
+
+
+def test_the_pool_and_the_slots_stay_on_their_device():
+    """On a GPU the pool, k, v, out_loc and the pages are device tensors: "meta" tensors (shapes
+    only, on any machine) stand in for them, so a tensor made on the CPU on the way (an index
+    built from a Python list, offsets from a bare torch.arange) fails here."""
+    pool = MHAKVCache(num_kv_heads=HKV, num_layers=2, head_dim=D, num_pages=4, page_size=2,
+                      dtype=torch.float32, device="meta")
+    k = torch.empty(3, HKV * D, device="meta")
+    for dt in (torch.int32, torch.int64):
+        named("Exercise 4.1", pool.store_kv, k, k, torch.empty(3, dtype=dt, device="meta"), 1)
+    for dt in (torch.int32, torch.int64):
+        slots = named("Exercise 4.2", pages_to_slots, torch.tensor([3, 0], dtype=dt,
+                                                                  device="meta"), 4)
+        assert slots.device.type == "meta" and slots.dtype == dt and tuple(slots.shape) == (8,), (
+            f"Exercise 4.2: {dt} pages on 'meta' gave {slots.dtype} slots on {slots.device}, shape "
+            f"{tuple(slots.shape)}: keep the dtype and device of pages")

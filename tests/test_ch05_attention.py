@@ -597,7 +597,8 @@ def test_resolve_auto():
 @pytest.mark.parametrize("ps", [1, 4])
 def test_page_indices_match_a_loop(ps):
     """FlashInfer's page ids (optional Exercise 5.4) against a loop over requests and pages:
-    rows that are not the batch positions, partly filled last pages, a one-token dummy."""
+    rows that are not the batch positions, partly filled last pages, a one-token dummy padded in
+    twice (two requests on one row: each gets its own pages)."""
     from minisgl.attention.fi_metadata import page_indices
     from minisgl.kvcache import create_page_table
 
@@ -607,7 +608,7 @@ def test_page_indices_match_a_loop(ps):
         for j in range(32 // ps):
             p = pages[(row * (32 // ps) + j) % 40]
             table[row, j * ps:(j + 1) * ps] = torch.arange(p * ps, p * ps + ps, dtype=torch.int32)
-    rows, lens = [2, 0, 3, 4], [5, 9, 1, 1]  # the last one is the dummy's row
+    rows, lens = [2, 0, 3, 4, 4], [5, 9, 1, 1, 1]  # the dummy's row 4, twice (padding)
     stale = pages[39]  # a former request's page, at no position below any device_len here
     for r, n in zip(rows[:3], lens):  # past device_len a row holds stale entries, page-aligned
         table[r, n:] = stale * ps + torch.arange(n, 32, dtype=torch.int32) % ps
@@ -626,6 +627,43 @@ def test_page_indices_match_a_loop(ps):
         f"page_table[table_idx, j * ps] // ps, j counted from 0 in every request (a page's first "
         f"position always holds a key; past device_len the table holds stale entries, here page "
         f"{stale}): expected int32 {want}, got {got.dtype} {got.tolist()}")
+
+
+def test_the_metadata_stays_on_the_page_tables_device():
+    """On a GPU the page table is a device tensor and everything read from it stays there: a
+    "meta" page table (shapes only, on any machine) stands in for one, so a tensor made on the
+    CPU on the way (Exercise 5.2's rows index, Exercise 5.4's page ids) fails here."""
+    env = make_env(ps=4)
+    reqs = [env.add_req(0, 5), env.add_req(3, 4)]
+    batch = env.make_batch(reqs, "prefill", n_dummy=1)
+    batch.out_loc = batch.out_loc.to("meta")
+    env.backend.page_table = env.page_table.to("meta")
+    try:
+        env.backend.prepare_metadata(batch)
+    except Exception as e:
+        raise AssertionError(f"Exercise 5.2: prepare_metadata with the page table on another "
+                             f"device than the CPU raised {type(e).__name__} ({e}): build the "
+                             "rows index on page_table.device") from e
+    slots = batch.attn_metadata.kv_slots
+    assert slots.device.type == "meta" and slots.dtype == torch.int64, (
+        f"Exercise 5.2: kv_slots came back {slots.dtype} on {slots.device}: int64, on the page "
+        "table's device")
+    from minisgl.attention.fi_metadata import page_indices
+
+    rows = torch.tensor([r.table_idx for r in batch.padded_reqs], dtype=torch.int32)
+    lens = torch.tensor([r.device_len for r in batch.padded_reqs], dtype=torch.int32)
+    try:
+        ids = page_indices(env.page_table.to("meta"), rows, lens, 4)
+    except NotImplementedError as e:
+        if "Exercise 5.4" in str(e):
+            return  # optional, still its stub (test_page_indices_match_a_loop says so)
+        raise
+    except Exception as e:
+        raise AssertionError(f"Exercise 5.4: page_indices with the page table on another device "
+                             f"than the CPU raised {type(e).__name__} ({e}): move the small index "
+                             "tensors to page_table.device, never the table to the CPU") from e
+    assert ids.device.type == "meta", (
+        f"Exercise 5.4: with the page table on 'meta' the page ids came back on {ids.device}")
 
 
 def quick_check() -> None:

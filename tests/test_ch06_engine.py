@@ -989,3 +989,56 @@ def test_pages_that_fit_formula(free, reqs, page_size, weights, ratio):
         f"{ratio}, {reqs} requests of 10 tokens in pages of {page_size}: expected min({budget} "
         f"budget pages, cap ceil({reqs * 10} / {page_size}) = {cap}) = {min(budget, cap)}, got "
         f"{got}")
+
+
+@pytest.mark.parametrize("cut_k,cut_p", [(True, True), (True, False), (False, True),
+                                         (False, False)])
+def test_sampling_stays_on_the_devices_of_its_inputs(cut_k, cut_p):
+    """On a GPU the logits, the sampling tensors and the tokens are device tensors: "meta"
+    (shapes only, on any machine) stands in for one, so a tensor made on the CPU on the way
+    (Exercise 6.1's ranks, Exercise 6.2's parameters) fails here."""
+    from minisgl.engine.sample import sample_impl
+
+    on = {"device": "meta"}
+    try:
+        tokens = sample_impl(torch.empty(3, 7, **on), torch.ones(3, **on),
+                             torch.full((3,), 2, dtype=torch.int32, **on) if cut_k else None,
+                             torch.full((3,), 0.5, **on) if cut_p else None, None)
+    except Exception as e:
+        raise AssertionError(f"Exercise 6.1: sample_impl on 'meta' (top_k given: {cut_k}, top_p "
+                             f"given: {cut_p}) raised {type(e).__name__} ({e}): make every new "
+                             "tensor on logits.device") from e
+    assert tokens.device.type == "meta" and tuple(tokens.shape) == (3,), (
+        f"Exercise 6.1: sample_impl returned {tuple(tokens.shape)} on {tokens.device}")
+    sampler = Sampler(torch.device("cpu"), vocab_size=7)
+    sampler.device = torch.device("meta")
+    reqs = [Req(input_ids=torch.tensor([1, 2], dtype=torch.int32), table_idx=i, cached_len=1,
+                output_len=3, uid=i, sampling_params=SamplingParams(
+                    temperature=0.8, top_k=2 if cut_k else -1, top_p=0.5 if cut_p else 1.0))
+            for i in range(2)]
+    args = sampler.prepare(Batch(reqs, "decode"))
+    for name in ("temperatures", "top_k", "top_p"):
+        t = getattr(args, name)
+        assert t is None or t.device.type == "meta", (
+            f"Exercise 6.2: with the sampler on 'meta' {name} was made on {t.device}: "
+            "torch.tensor(..., device=self.device)")
+
+
+@pytest.mark.parametrize("cut_k,cut_p", [(True, True), (False, True), (False, False)])
+def test_sampling_leaves_its_inputs_alone(cut_k, cut_p):
+    """sample_impl (Exercise 6.1) reads the logits and the parameters and changes none of them:
+    for float32 logits, logits.float() is the caller's tensor itself, so an in-place division
+    by the temperature would rewrite the model's output."""
+    from minisgl.engine.sample import sample_impl
+
+    g = torch.Generator().manual_seed(3)
+    given = {"logits": torch.randn(4, 9, generator=g),
+             "temperatures": torch.tensor([0.5, 1.0, 2.0, 0.7]),
+             "top_k": torch.tensor([3, 9, 1, 2], dtype=torch.int32) if cut_k else None,
+             "top_p": torch.tensor([0.9, 0.5, 1.0, 0.3]) if cut_p else None}
+    before = {k: v.clone() for k, v in given.items() if v is not None}
+    sample_impl(*given.values(), torch.Generator().manual_seed(0))
+    changed = [k for k, v in before.items() if not torch.equal(given[k], v)]
+    assert not changed, (
+        f"Exercise 6.1 (sample_impl) changed its input {changed} in place: work on new tensors "
+        "(logits / t, not logits.div_(t))")

@@ -526,8 +526,9 @@ def test_cli_script_runs(built: Path):
 def test_an_error_inside_exercise_code_is_named_by_the_cell(monkeypatch):
     """guard() installs an IPython handler: an error raised inside an exercise's code whose
     message names no exercise gets a note naming it (the innermost exercise function on the
-    traceback, by qualified name); an error already naming one, or raised by the cell's own
-    code, is shown as it is."""
+    traceback, by qualified name); an error raised by a check cell's own code is named by the
+    exercise the cell checks at that line; an error already naming one, or raised by a cell
+    that checks no exercise, is shown as it is."""
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
@@ -557,7 +558,16 @@ def test_an_error_inside_exercise_code_is_named_by_the_cell(monkeypatch):
                        "head.load_state_dict({'weight': torch.randn(10, 4)})\n"
                        "head.forward(torch.randn(2, 4))")
         assert "Exercise 2.5" in notes(err) and "ParallelLMHead.forward" in notes(err), notes(err)
-        # the cell's own error, and one that already names an exercise: no note
+        # a check cell's own code fails on what an exercise returned: the exercise it checks
+        # next from the failing line is named (else the last one before it)
+        err = error_of("values = {'eps': 1e-6}\nfor k, v in values.items():\n    print(v.shape)\n"
+                       "assert all(hasattr(v, 'shape') for v in values.values()), "
+                       "'Exercise 2.1: not tensors'\nassert True, 'Exercise 2.2: later'")
+        assert "Exercise 2.1" in notes(err) and "line 3" in notes(err), notes(err)
+        err = error_of("assert True, 'Exercise 1.3: done'\n[].pop()")
+        assert "Exercise 1.3" in notes(err), notes(err)
+        # the cell's own error in a cell that checks no exercise, and one that already names
+        # an exercise: no note
         assert not notes(error_of("raise ValueError('mine')"))
         assert not notes(error_of("raise RuntimeError('Exercise 1.4: already named')"))
         assert nbtools.exercise_of_error(ValueError("no traceback"), ["02"], REPO) is None

@@ -382,10 +382,11 @@ def test_the_test_command_gives_each_lane_its_own_cpus(tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "tools"))
     import test_all
 
-    show = [PY, "-c", "import os, subprocess, sys, time; time.sleep(1); "
-            "print('cpus', sorted(os.sched_getaffinity(0)), subprocess.run([sys.executable, '-c', "
-            "'import os; print(sorted(os.sched_getaffinity(0)))'], capture_output=True, "
-            "text=True).stdout.strip())"]
+    script = ("import os, subprocess, sys, time; time.sleep(1); "
+              "print('cpus', sorted(os.sched_getaffinity(0)), subprocess.run([sys.executable, "
+              "'-c', 'import os; print(sorted(os.sched_getaffinity(0)))'], capture_output=True, "
+              "text=True).stdout.strip())")
+    show = [PY, "-c", script]
     results = test_all.run_parts([test_all.Part(f"p{i}", show) for i in range(3)], 2,
                                  dict(os.environ), tmp_path)
     assert [c for _, c, _ in results] == [0, 0, 0]
@@ -396,7 +397,7 @@ def test_the_test_command_gives_each_lane_its_own_cpus(tmp_path, capsys):
     sets = []
     for line in seen:
         own, child = line.split("] ")
-        own = set(int(c) for c in own.strip("[").split(", "))
+        own = {int(c) for c in own.strip("[").split(", ")}
         assert child.strip("[]").split(", ") == [str(c) for c in sorted(own)], (
             f"a part's child left its lane: {line}")
         sets.append(own)

@@ -316,19 +316,49 @@ def _exercise_of_crash(exc: BaseException, nn: str, root: Path) -> str | None:
 NAMED = re.compile(r"Exercise \d+\.\d+")
 
 
+def exercise_checked_near(exc: BaseException, cells: dict) -> tuple[str, int] | None:
+    """('Exercise N.M', line) for an error raised by a check cell's own code (the innermost
+    frame that is a cell's, among `cells`, IPython's cell file names): the exercise the cell
+    checks next from the failing line (its first "Exercise N.M" at or after the line, else the
+    last one before it); None when that cell names no exercise."""
+    import linecache
+    import traceback
+
+    where = [(f.f_code.co_filename, line) for f, line in traceback.walk_tb(exc.__traceback__)
+             if f.f_code.co_filename in cells]
+    if not where:
+        return None
+    name, line = where[-1]
+    lines = linecache.getlines(name)
+    for text in lines[line - 1:]:
+        if m := NAMED.search(text):
+            return m[0], line
+    before = [m[0] for text in lines[:line - 1] if (m := NAMED.search(text))]
+    return (before[-1], line) if before else None
+
+
 def _note_the_exercise(shell, etype, value, tb, tb_offset=None):
-    """IPython's handler for an error a cell raises (installed by guard): an error raised
-    inside the learner's exercise code whose message names no exercise gets a note naming the
-    exercise whose code raised it, shown under the error; then the usual traceback."""
+    """IPython's handler for an error a cell raises (installed by guard). An error whose
+    message names no exercise gets a note naming one, shown under the error, then the usual
+    traceback: raised inside the learner's exercise code, the exercise whose code raised it;
+    raised by a check cell's own code (it could not use what an exercise returned), the
+    exercise that cell checks at that line."""
     try:
         told = str(value) + " ".join(getattr(value, "__notes__", []))
         chapters = getattr(shell, "_minisgl_chapters", None)
         if chapters and not NAMED.search(told):
             found = exercise_of_error(value, chapters[1], chapters[0])
+            near = None if found else exercise_checked_near(
+                value, getattr(shell.compile, "_filename_map", {}))
             if found:
                 value.add_note(f"{found[0]}: this error was raised inside your code for "
                                f"{found[0]} ({found[1]}); look there first, then run its "
                                "cell again")
+            elif near:
+                value.add_note(f"{near[0]}: this error was raised by the check itself (line "
+                               f"{near[1]} of the cell), where it checks {near[0]}: most likely "
+                               f"what your code for {near[0]} returned is not of the kind the "
+                               "check expects (its type, shape or keys); look there first")
     finally:
         shell.showtraceback((etype, value, tb), tb_offset=tb_offset, running_compiled_code=True)
 

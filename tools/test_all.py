@@ -212,7 +212,7 @@ def run_parts(todo: list[Part], jobs: int, env: dict, logs: Path) -> list[tuple[
                     proc = subprocess.Popen(part.cmd, cwd=ROOT, env={**env, **part.env},
                                             stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True,
-                                            preexec_fn=_pin(cpus))
+                                            preexec_fn=_pin(cpus))  # noqa: PLW1509 (one thread)
                 running[proc] = (part, time.perf_counter(), log, cpus)
                 print(f"--- started  {part.name}"
                       + (f" (CPUs {','.join(map(str, sorted(cpus)))})" if cpus else ""), flush=True)
