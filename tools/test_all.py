@@ -80,16 +80,19 @@ class Part:
 
 
 # seconds of the slower parts, measured in one `make test` on an idle 2-core AMD EPYC (Zen 3),
-# each lane pinned to one core (20 min in all): the longest start first, so that the two lanes
+# each lane pinned to one core (23 min in all): the longest start first, so that the two lanes
 # end together
-WEIGHTS = {"tests, group 1": 358, "browser, solutions": 339, "wrong versions ch06": 316,
-           "tests, group 4": 280, "browser, the rest": 233, "wrong modules": 120,
-           "solution notebook 07": 87, "wrong versions ch05": 65, "wrong versions ch03": 62,
-           "wrong versions ch02": 54, "tests, group 2": 46, "wrong versions ch04": 40,
-           "solution notebook 03": 37, "wrong versions ch00": 37, "solution notebook 06": 36,
-           "solution notebook 05": 32, "tests, group 3": 31, "learner notebook 05": 29,
-           "learner notebook 03": 27, "solution notebook 00": 27, "learner notebook 06": 26,
-           "wrong versions ch01": 23, "learner notebook 00": 22}
+WEIGHTS = {"wrong versions ch06": 511, "tests, group 1": 428, "browser, solutions": 315,
+           "tests, group 4": 280, "browser, the rest": 252, "wrong modules": 118,
+           "solution notebook 07": 92, "wrong versions ch03": 85, "wrong versions ch05": 80,
+           "wrong versions ch02": 80, "wrong versions ch04": 53, "tests, group 2": 46,
+           "solution notebook 05": 42, "solution notebook 06": 39, "wrong versions ch00": 37,
+           "solution notebook 03": 34, "tests, group 3": 34, "learner notebook 05": 33,
+           "wrong versions ch01": 30, "solution notebook 00": 26, "learner notebook 03": 24,
+           "learner notebook 06": 23,
+           # the quick tier (`--quick`): 200 s in all when group 4 started last, on one core
+           "quick tests, group 4": 151, "quick tests, group 1": 62, "quick tests, group 2": 30,
+           "quick tests, group 3": 17}
 # the test files that are neither per-chapter parts nor notebooks, in groups of similar size
 GROUPS = [["tests/test_ch07_*.py", "tests/test_tp.py"],
           ["tests/test_ch06_*.py", "tests/test_ch05_*.py", "tests/test_gpu.py",
@@ -116,7 +119,8 @@ def parts(quick: bool = False, chapter: str | None = None) -> list[Part]:
     # the notebooks' own test cells would re-run tests/test_chNN_*.py, which the tests run
     skip_tests = {"MINISGL_SKIP_CHAPTER_TESTS": "1"}
     if quick:  # the test-file groups, without the slow and browser tests
-        return [Part(f"quick tests, group {i}", [*pytest, *files, "-m", "not slow and not browser"])
+        return [Part(f"quick tests, group {i}", [*pytest, *files, "-m", "not slow and not browser"],
+                     WEIGHTS.get(f"quick tests, group {i}", 20.0))
                 for i, files in _groups(set())]
     if chapter:
         tests = _files(f"tests/test_ch{chapter}_*.py")
