@@ -93,6 +93,24 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+def _minisgl_modules() -> dict:
+    return {k: v for k, v in sys.modules.items() if k == "minisgl" or k.startswith("minisgl.")}
+
+
+@pytest.fixture(autouse=True)
+def _one_minisgl_per_process():
+    """guard() imports a tree's modules in this process (to find one that does not import), and
+    reload_minisgl() forgets them: afterwards the process's minisgl is put back as it was, so a
+    test file run after this one in the same process sees one package, not a temporary tree's
+    modules mixed with its own (chapter 05's tests then found the tp info unset)."""
+    saved, path = _minisgl_modules(), list(sys.path)
+    yield
+    for name in _minisgl_modules():
+        del sys.modules[name]
+    sys.modules.update(saved)
+    sys.path[:] = path
+
+
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
