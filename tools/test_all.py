@@ -249,8 +249,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="leave out slow and browser tests")
     parser.add_argument("--chapter", type=lambda s: f"{int(s):02d}", help="one chapter, e.g. 04")
-    parser.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
-                        help="parts run at once (default: the CPUs, at most 2)")
+    usable = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+              else os.cpu_count() or 1)  # the CPUs this process may use, not the machine's
+    parser.add_argument("--jobs", type=int, default=max(1, min(2, usable)),
+                        help="parts run at once (default: the CPUs this process may use, at most 2)")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error("--jobs must be 1 or more")
