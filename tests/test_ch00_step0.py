@@ -268,3 +268,17 @@ def quick_check() -> None:
 
 def test_quick_check():
     quick_check()
+
+
+@pytest.mark.parametrize("eos", ["int", "list"])
+def test_generate_never_stops_early(eos):
+    """generate (Exercise 0.3) makes exactly max_new_tokens tokens, even when the config's
+    eos_token_id comes up: when to stop is the caller's choice."""
+    model = step0.load_model(model_path("tiny-llama"))
+    prompt = [5, 17, 923, 4410, 88, 31]
+    want = step0.generate(model, prompt, 5)
+    model.config["eos_token_id"] = want[1] if eos == "int" else [want[1], want[0]]
+    got = step0.generate(model, prompt, 5)
+    assert got == want, (
+        f"Exercise 0.3 (generate): with eos_token_id {model.config['eos_token_id']} it gave "
+        f"{got}, not {want}: make exactly max_new_tokens tokens, never stop early")

@@ -536,3 +536,21 @@ def quick_check() -> None:
 
 def test_quick_check():
     quick_check()
+
+
+@pytest.mark.parametrize("cached", [0, 3])
+def test_complete_one_moves_only_the_two_lengths(cached):
+    """complete_one (Exercise 1.3) advances cached_len and device_len; every other field says
+    what the request asked for (output_len, max_device_len, its sampling parameters) or holds its
+    tokens, and stays as it was."""
+    params = SamplingParams(temperature=0.7, max_tokens=4)
+    req = Req(input_ids=torch.arange(7, dtype=torch.int32), table_idx=2, cached_len=cached,
+              output_len=4, uid=5, sampling_params=params)
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(req).items()
+              if k not in ("cached_len", "device_len")}
+    req.complete_one()
+    changed = [k for k, v in before.items() if not (
+        torch.equal(v, getattr(req, k)) if isinstance(v, torch.Tensor) else v == getattr(req, k))]
+    assert not changed, (f"Exercise 1.3 (complete_one) changed {changed}: it moves cached_len "
+                         "and device_len only")
+    assert (req.cached_len, req.device_len) == (7, 8)

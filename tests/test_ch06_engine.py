@@ -1042,3 +1042,23 @@ def test_sampling_leaves_its_inputs_alone(cut_k, cut_p):
     assert not changed, (
         f"Exercise 6.1 (sample_impl) changed its input {changed} in place: work on new tensors "
         "(logits / t, not logits.div_(t))")
+
+
+def test_forward_batch_samples_with_the_args_it_was_given():
+    """forward_batch (Exercise 6.5) hands its caller's `args` to the sampler as they are: the
+    caller may have built them by hand, so preparing them again from the batch is wrong."""
+    engine = engine_for("tiny-llama")
+    req = make_req(fixed_ids(5, seed=81), 0, engine=engine, output_len=3,
+                   params=SamplingParams(temperature=1.5, max_tokens=3))
+    batch = fill(engine, Batch(reqs=[req], phase="prefill"))
+    given = engine.sampler.prepare(batch)
+    seen = []
+    real = engine.sampler.sample
+    engine.sampler.sample = lambda logits, args: seen.append(args) or real(logits, args)
+    try:
+        engine.forward_batch(batch, given)
+    finally:
+        del engine.sampler.sample
+    assert len(seen) == 1 and seen[0] is given, (
+        "Exercise 6.5 (forward_batch): the sampler must get the args forward_batch was given, "
+        "as they are (self.sampler.sample(logits[:batch.size], args)), not args prepared again")
