@@ -32,7 +32,6 @@ runs past its limit is stopped (with everything it started) and reported as fail
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -41,6 +40,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from workbook import read_json  # tools/, this file's folder
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -62,7 +63,7 @@ def _same_code(learner: Path, solution: Path) -> bool:
     without exercises): nbmake would run what tests/test_notebooks.py runs already."""
     def code(path: Path) -> list[str] | None:
         try:
-            cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+            cells = read_json(path)["cells"]
         except (OSError, ValueError, KeyError):
             return None
         return ["".join(c["source"]) for c in cells if c.get("cell_type") == "code"]
