@@ -331,6 +331,48 @@ def test_bad_input_gets_a_clear_error(kmod):
         m.linear(x, torch.randn(3, 8), torch.randn(4))
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_store_kv_kernel_equals_the_pools_code(kmod, page_size, t, dtype):
+    """A pool built with the kernels' set stores through ``store_kv`` (C++), one built without
+    through chapter 04's code: the same slots change, to the same bits, for strided k and v
+    (views of a fused qkv row), and every other slot of every layer keeps its value."""
+    from minisgl.distributed import set_tp_info
+    from minisgl.kvcache import create_kvcache_pool
+    from minisgl.layers import build_ops
+
+    set_tp_info(0, 1)
+
+    class Cfg:
+        num_kv_heads, num_layers, head_dim = 2, 3, 8
+
+    g = torch.Generator().manual_seed(t + page_size)
+    mine = create_kvcache_pool(Cfg, 24, page_size, torch.float32, "cpu")
+    with build_ops(kernel.op_impls()):
+        fused = create_kvcache_pool(Cfg, 24, page_size, torch.float32, "cpu")
+    assert fused._kernel is kernel.store_kv and mine._kernel is None
+    start = torch.randn(mine._kv_buffer.shape, generator=g)
+    mine._kv_buffer.copy_(start)
+    fused._kv_buffer.copy_(start)
+    for layer in (0, 2):
+        qkv = torch.randn(t, 5 * 16, generator=g)
+        k, v = qkv[:, 32:48], qkv[:, 48:64]  # rows 80 floats apart, as in a fused projection
+        out_loc = torch.randperm(mine.num_slots, generator=g)[:t].to(dtype)
+        mine.store_kv(k, v, out_loc, layer)
+        fused.store_kv(k, v, out_loc, layer)
+    assert torch.equal(mine._kv_buffer, fused._kv_buffer)
+    assert not torch.equal(fused._kv_buffer, start)
+    with pytest.raises(RuntimeError, match=r"out_loc\[1\] = 99 is outside the pool"):
+        two = torch.randn(2, 80, generator=g)
+        fused.store_kv(two[:, 32:48], two[:, 48:64], torch.tensor([0, 99], dtype=dtype), 1)
+    with pytest.raises(RuntimeError, match=r"k and v must be \[T, Hkv \* D\] = \[T, 16\]"):
+        fused.store_kv(qkv[:, :24], qkv[:, 24:48], out_loc, 1)
+    with pytest.raises(RuntimeError, match=f"int64 CPU vector of {t} slots"):
+        fused.store_kv(k, v, out_loc[:0], 1)
+    assert torch.equal(mine._kv_buffer, fused._kv_buffer), "a refused store wrote something"
+
+
 # ----------------------------------------------------------------------------- the choice
 def _config(name="tiny-qwen2", **kw):
     from minisgl.distributed import DistributedInfo
@@ -375,9 +417,10 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
         assert engine.model.lm_head._matmul is kernel.small_batch_linear
         assert layer.self_attn.qkv_proj.weight.stride(1) == 1, "the checkpoint's [out, in] rows"
         layers = len(engine.model.model.layers.op_list)
+        assert engine.kv_cache._kernel is kernel.store_kv  # the pool is built with the ops
         names = ["rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rope_inplace",
-                 "decode_attention", "linear"]
-        counts = dict.fromkeys(names + ["store_kv"], 0)
+                 "decode_attention", "linear", "store_kv"]
+        counts = dict.fromkeys(names + ["pool.store_kv"], 0)
         real, real_store = kernel._MODULE, engine.kv_cache.store_kv
 
         class Spy:
@@ -388,7 +431,7 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
                 return call
 
         def store_spy(*args):
-            counts["store_kv"] += 1
+            counts["pool.store_kv"] += 1
             return real_store(*args)
 
         reqs = _two_reqs(engine)
@@ -403,7 +446,8 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
         # linear: qkv, o, gate_up, down in each layer, then the LM head
         assert counts == {"rmsnorm": 1, "fused_add_rmsnorm": 2 * layers, "silu_and_mul": layers,
                           "rope_inplace": layers, "decode_attention": layers,
-                          "linear": 4 * layers + 1, "store_kv": layers}, counts
+                          "linear": 4 * layers + 1, "store_kv": layers,
+                          "pool.store_kv": layers}, counts
     finally:
         engine.shutdown()
     # the kernels' rope is a table of its own: a default Engine built next runs 2.8
@@ -415,6 +459,7 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
         assert layer.input_layernorm._kernel is None
         assert layer.mlp._act_fn is silu_and_mul
         assert layer.self_attn.qkv_proj._matmul is F.linear
+        assert engine.kv_cache._kernel is None
     finally:
         engine.shutdown()
 

@@ -11,6 +11,7 @@ below) replaces decode attention:
 - ``RotaryEmbedding`` -> ``rope`` (``rope_inplace``: q and k rotated in one pass);
 - ``GatedMLP``'s activation -> ``silu_and_mul``;
 - the linear ops and the LM head -> ``small_batch_linear`` (``linear``) for a decode's few rows;
+- the KV pool's ``store_kv`` -> ``store_kv`` (one row copy per token);
 - backend ``"cpp"``: prefill is chapter 05's ``TorchBackend``; decode stores k, v with the pool's
   ``store_kv`` (chapter 04), then calls ``decode_attention``.
 
@@ -100,6 +101,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _MODULE.silu_and_mul(x)
 
 
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out_loc: torch.Tensor) -> None:
+    """The KV pool's ``store_kv`` (chapter 04): row ``j`` of ``k``, ``v`` into slot ``out_loc[j]``
+    of one layer's caches."""
+    _MODULE.store_kv(k_cache, v_cache, k, v, out_loc)
+
+
 def small_batch_linear(x: torch.Tensor, w: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with the kernel for up to ``LINEAR_MAX_ROWS`` rows (the weight is read once,
@@ -125,4 +133,4 @@ from .binding import op_impls  # last: it imports the functions above
 
 __all__ = ["ISA_FLAGS", "LINEAR_MAX_ROWS", "KernelBuildError", "add_rmsnorm", "build_flags",
            "cache_dir", "load", "op_impls", "rope", "silu_and_mul", "small_batch_linear",
-           "unavailable_reason"]
+           "store_kv", "unavailable_reason"]

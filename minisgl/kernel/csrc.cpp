@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]");
   m.def("rope_inplace", &rope_inplace, "rotate every head of each row by its position");
   m.def("decode_attention", &decode_attention, "one query per request over the paged pool");
+  m.def("store_kv", &store_kv, "row j of k and v into slot out_loc[j] of one layer's caches");
   m.def("linear", &linear, "x @ w.T (+ bias) for a few rows of x");
   m.def("vector_lanes", &vector_lanes, "floats per vector in this build");
   m.def("vector_isa", &vector_isa, "the vector instructions this build targets");

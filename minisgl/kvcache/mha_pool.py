@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.distributed import get_tp_info
+from minisgl.layers.impls import current_ops
 from minisgl.utils import div_even
 
 from .base import BaseKVCachePool
@@ -31,6 +32,7 @@ class MHAKVCache(BaseKVCachePool):
                                       head_dim, dtype=dtype, device=device)
         self._k_buffer = self._kv_buffer[0]
         self._v_buffer = self._kv_buffer[1]
+        self._kernel = current_ops().store_kv  # None: the code of store_kv below (impls.py)
 
     @property
     def num_slots(self) -> int:
@@ -47,6 +49,9 @@ class MHAKVCache(BaseKVCachePool):
                  layer_id: int) -> None:
         """Scatter ``k``, ``v`` (``[T, Hkv*D]``, possibly strided views) into slots ``out_loc``
         (``[T]``, int32 or int64) of layer ``layer_id``; no other slot changes."""
+        if self._kernel is not None:  # a fused kernel this pool was built with
+            self._kernel(self._k_buffer[layer_id], self._v_buffer[layer_id], k, v, out_loc)
+            return
         # BEGIN SOLUTION 4.1: view the layer as flat slots and copy row j into slot out_loc[j]
         index = out_loc if out_loc.dtype == torch.int64 else out_loc.long()
         shape = (-1, self.num_kv_heads, self.head_dim)

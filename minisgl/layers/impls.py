@@ -26,6 +26,9 @@ class OpImpls:
     # RotaryEmbedding: (positions, x, cos_sin_cache, head_size), x rotated in place; None: own code
     rope: Callable | None = None
     silu_and_mul: Callable | None = None  # the MLP's silu activation; None: layers.silu_and_mul
+    # the KV pool's store_kv (chapter 04): (k_layer, v_layer, k, v, out_loc), the layer's slots
+    # written in place; the Engine builds its pool inside build_ops too. None: the pool's code
+    store_kv: Callable | None = None
 
 
 TORCH_OPS = OpImpls()

@@ -84,3 +84,38 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   });
   return o;
 }
+
+// The pool's store_kv (chapter 04's contract): row j of k and v into slot out_loc[j] of one
+// layer's caches. The torch code pays for views, an int64 copy of out_loc and two index_copy_
+// dispatches; here it is one call and a row copy per token.
+void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+              torch::Tensor out_loc) {
+  check_rows(k, "k");
+  check_rows(v, "v");
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.scalar_type() == torch::kFloat32 &&
+              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() >= 2 &&
+              v_cache.scalar_type() == torch::kFloat32 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be one layer's contiguous float32 CPU caches "
+              "[..., Hkv, D] of the same shape");
+  const int64_t T = k.size(0), row = k.size(1);
+  TORCH_CHECK(v.sizes() == k.sizes() && row == k_cache.size(-2) * k_cache.size(-1), "k and v "
+              "must be [T, Hkv * D] = [T, ", k_cache.size(-2) * k_cache.size(-1), "], got ",
+              k.sizes(), " and ", v.sizes());
+  const bool i64 = out_loc.scalar_type() == torch::kInt64;
+  TORCH_CHECK(out_loc.device().is_cpu() && out_loc.dim() == 1 && out_loc.is_contiguous() &&
+              (i64 || out_loc.scalar_type() == torch::kInt32) && out_loc.size(0) == T,
+              "out_loc must be a contiguous int32 or int64 CPU vector of ", T, " slots");
+  const int64_t S = k_cache.numel() / row;
+  std::vector<int64_t> slot(T);
+  for (int64_t j = 0; j < T; ++j) {
+    slot[j] = i64 ? out_loc.data_ptr<int64_t>()[j] : out_loc.data_ptr<int32_t>()[j];
+    TORCH_CHECK(slot[j] >= 0 && slot[j] < S, "out_loc[", j, "] = ", slot[j], " is outside "
+                "the pool (", S, " slots); nothing was written");
+  }
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t j = 0; j < T; ++j) {
+    std::memcpy(kc + slot[j] * row, k.data_ptr<float>() + j * k.stride(0), row * sizeof(float));
+    std::memcpy(vc + slot[j] * row, v.data_ptr<float>() + j * v.stride(0), row * sizeof(float));
+  }
+}
