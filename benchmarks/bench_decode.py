@@ -34,8 +34,8 @@ from benchmarks.measure import (
     machine_line,
     median_ms,
     read_bandwidth,
+    run_and_record,
     step0_decode_times,
-    update_readme,
     weight_bytes,
 )
 
@@ -166,12 +166,8 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
 
 
 def main() -> None:
-    args = bench_parser(__doc__).parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    table = run(Path(os.path.abspath(args.model)), args.rounds, args.steps, args.threads)
-    print(table)
-    if not args.no_readme:
-        update_readme("BENCH_DECODE", "Decode step (`bench_decode.py`)", table)
+    run_and_record(bench_parser(__doc__).parse_args(), run, "BENCH_DECODE",
+                   "Decode step (`bench_decode.py`)")
 
 
 if __name__ == "__main__":

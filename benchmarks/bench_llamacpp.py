@@ -41,7 +41,7 @@ from benchmarks.measure import (
     machine_line,
     median_ms,
     read_bandwidth,
-    update_readme,
+    run_and_record,
     weight_bytes,
 )
 
@@ -354,11 +354,7 @@ def main() -> int:
         print(f"llama.cpp is not installed ({e}): `pip install -e '.[bench]'` adds it (it "
               "compiles llama.cpp, minutes). Nothing measured.")
         return 0
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    table = run(Path(os.path.abspath(args.model)), args.rounds, args.steps, args.threads)
-    print(table)
-    if not args.no_readme:
-        update_readme("BENCH_LLAMACPP", "llama.cpp (`bench_llamacpp.py`, optional)", table)
+    run_and_record(args, run, "BENCH_LLAMACPP", "llama.cpp (`bench_llamacpp.py`, optional)")
     return 0
 
 

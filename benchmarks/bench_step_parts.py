@@ -35,7 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_decode import CONFIGS, Engines
-from benchmarks.measure import PROMPTS, ROOT, bench_parser, kernel_line, machine_line, update_readme
+from benchmarks.measure import (
+    PROMPTS,
+    ROOT,
+    bench_parser,
+    kernel_line,
+    machine_line,
+    run_and_record,
+)
 
 BATCHES = (1, 16)
 LEAVES = ("matmuls", "norms", "rope", "activation", "attention", "embedding")
@@ -194,13 +201,8 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
 
 
 def main() -> None:
-    args = bench_parser(__doc__).parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    table = run(Path(os.path.abspath(args.model)), args.rounds, args.steps, args.threads)
-    print(table)
-    if not args.no_readme:
-        update_readme("BENCH_PARTS", "Where a decode step's time goes (`bench_step_parts.py`)",
-                      table)
+    run_and_record(bench_parser(__doc__).parse_args(), run, "BENCH_PARTS",
+                   "Where a decode step's time goes (`bench_step_parts.py`)")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,16 @@ def bench_parser(doc: str | None):
     return ap
 
 
+def run_and_record(args, run: Callable[..., str], marker: str, title: str) -> None:
+    """The decode benchmarks' ending: ``run(model, rounds, steps, threads)`` offline, its table
+    printed and (unless ``--no-readme``) put between ``marker``'s comments of the README."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    table = run(Path(os.path.abspath(args.model)), args.rounds, args.steps, args.threads)
+    print(table)
+    if not args.no_readme:
+        update_readme(marker, title, table)
+
+
 def median_ms(xs: Sequence[float]) -> float:
     return statistics.median(xs) * 1e3
 

@@ -112,10 +112,10 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
     TORCH_CHECK(slot[j] >= 0 && slot[j] < S, "out_loc[", j, "] = ", slot[j], " is outside "
                 "the pool (", S, " slots); nothing was written");
   }
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   for (int64_t j = 0; j < T; ++j) {
-    std::memcpy(kc + slot[j] * row, k.data_ptr<float>() + j * k.stride(0), row * sizeof(float));
-    std::memcpy(vc + slot[j] * row, v.data_ptr<float>() + j * v.stride(0), row * sizeof(float));
+    std::memcpy(kc + slot[j] * row, kp + j * k.stride(0), row * sizeof(float));
+    std::memcpy(vc + slot[j] * row, vp + j * v.stride(0), row * sizeof(float));
   }
 }
