@@ -234,6 +234,78 @@ def test_kernel_threads_survive_a_fork_a_busy_machine_and_sleep(kmod):
     assert out.returncode == 0 and "threads ok" in out.stdout, out.stderr[-3000:]
 
 
+
+def test_read_ahead_follows_the_order_of_the_calls(kmod):
+    """After a call with weight w, the workers prefetch the weights that followed w the last
+    time, in that order, up to the budget (``set_read_ahead``), stopping when the chain comes
+    back to w. The plan is what they read: a wrong order, a lost span or a budget ignored shows
+    here. The results do not depend on it, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 96, generator=g)
+    a, c = torch.randn(40, 96, generator=g), torch.randn(24, 96, generator=g)
+    b = torch.randn(30, 100, generator=g)[:, 2:98]  # a view: rows 100 floats apart
+    span = {id(w): (w.data_ptr(), ((w.shape[0] - 1) * w.stride(0) + w.shape[1]) * 4)
+            for w in (a, b, c)}
+    old = kmod.set_read_ahead(1 << 30)
+    try:
+        first = [kmod.linear(x, w, None) for w in (a, b, c)]
+        assert kmod.read_ahead_plan(c) == [], "c was never followed by anything: nothing to read"
+        again = [kmod.linear(x, w, None) for w in (a, b, c)]
+        assert kmod.read_ahead_plan(a) == [span[id(b)], span[id(c)]], (
+            "after a, the workers must read b then c (each from its first byte to its last)")
+        assert kmod.read_ahead_plan(c) == [span[id(a)], span[id(b)]]
+        kmod.set_read_ahead(span[id(b)][1] + 100)
+        assert kmod.read_ahead_plan(a) == [span[id(b)], (span[id(c)][0], 100)], (
+            "the budget bounds the bytes read ahead, the last span cut short")
+        assert kmod.set_read_ahead(0) == span[id(b)][1] + 100
+        assert kmod.read_ahead_plan(a) == [], "budget 0: nothing is read ahead"
+        off = [kmod.linear(x, w, None) for w in (a, b, c)]
+        for y0, y1, y2 in zip(first, again, off):
+            assert torch.equal(y0, y1) and torch.equal(y0, y2), "read-ahead changed a result"
+        with pytest.raises(RuntimeError, match="read-ahead budget must be >= 0 bytes, got -1"):
+            kmod.set_read_ahead(-1)
+    finally:
+        kmod.set_read_ahead(old)
+
+
+READ_FREED_SCRIPT = r"""
+import mmap, sys, time, torch
+from minisgl import kernel
+mod = kernel.load()
+torch.set_num_threads(2)
+x, a = torch.randn(1, 576), torch.randn(2048, 576)
+buf = mmap.mmap(-1, 4096 * 576 * 4)  # a weight in memory this script unmaps itself
+w = torch.frombuffer(buf, dtype=torch.float32).view(4096, 576)
+w.normal_()
+mod.linear(x, a, None); mod.linear(x, w, None); mod.linear(x, a, None)
+addr = w.data_ptr()
+assert mod.read_ahead_plan(a)[0][0] == addr, "a's read-ahead should start with w"
+del w
+buf.close()  # munmap: w's addresses are no longer mapped
+for rng in open("/proc/self/maps").read().splitlines():
+    lo, hi = (int(v, 16) for v in rng.split()[0].split("-"))
+    assert not lo <= addr < hi, "the freed weight is still mapped: the test would prove nothing"
+want = x.double() @ a.double().T
+for _ in range(50):  # each call sends the workers to prefetch the unmapped memory
+    y = mod.linear(x, a, None)
+    time.sleep(0.002)
+assert (y.double() - want).abs().max().item() < 1e-3
+print("read ahead ok")
+"""
+
+
+def test_reading_ahead_freed_memory_is_harmless(kmod):
+    """The plan can name a weight freed since (a model unloaded, a test's tensor gone): the
+    workers must only prefetch it (a hint, which never faults), never load from it. Here the
+    weight's memory is unmapped; a load there would kill the process with SIGSEGV."""
+    if not pathlib.Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps to know the memory is unmapped")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_TREE)}
+    out = subprocess.run([sys.executable, "-c", READ_FREED_SCRIPT], cwd=ROOT, env=env, text=True,
+                         capture_output=True, timeout=300, check=False)
+    assert out.returncode == 0 and "read ahead ok" in out.stdout, (
+        f"exit status {out.returncode}: {out.stderr[-3000:]}")
+
 def test_the_build_targets_this_cpus_widest_vectors(kmod):
     """-march=native: AVX-512 where the CPU has it, else AVX2 with FMA, NEON on aarch64; the
     module says which (``vector_isa``, printed in the benchmarks' headers)."""

@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query per request over the paged pool");
   m.def("store_kv", &store_kv, "row j of k and v into slot out_loc[j] of one layer's caches");
   m.def("linear", &linear, "x @ w.T (+ bias) for a few rows of x");
+  m.def("read_ahead_plan", &read_ahead_plan, "(address, bytes) the workers read ahead after w");
+  m.def("set_read_ahead", &set_read_ahead, "bytes read ahead after a call (0: none); the old");
   m.def("vector_lanes", &vector_lanes, "floats per vector in this build");
   m.def("vector_isa", &vector_isa, "the vector instructions this build targets");
 }

@@ -9,10 +9,13 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -141,11 +144,22 @@ namespace {
 // other programs need it (OpenMP's threads, torch's, spin for milliseconds).
 constexpr auto kSpin = std::chrono::microseconds(1000);
 
+// Memory a call asks the workers to read ahead once its chunks are taken: the weights the next
+// calls will read (linear.h). Between two matmuls of a decode step the caller runs a norm, rope,
+// attention, Python: memory would sit idle, and a worker would only spin.
+struct ReadAhead {
+  static constexpr int kSpans = 8;
+  const char* lo[kSpans] = {};
+  const char* hi[kSpans] = {};
+  int n = 0;
+};
+
 class Workers {
   struct Job {  // one call, on the caller's stack; the workers reach it through job_
     void (*call)(const void* fn, int64_t lo, int64_t hi);
     const void* fn;
     int64_t total, chunk, chunks;
+    ReadAhead ahead;
     std::atomic<int64_t> next{0}, done{0};
     void drain() {
       for (int64_t c; (c = next.fetch_add(1)) < chunks; done.fetch_add(1))
@@ -160,7 +174,12 @@ class Workers {
   std::condition_variable cv_;
   bool stop_ = false;
 
-  void wait_for_call(uint64_t seen) {
+  void wait_for_call(uint64_t seen, const ReadAhead& ahead) {
+    // first prefetch the memory the last call named, 16 cache lines at a time, until a call
+    // comes: a prefetch is a hint, never a fault, even if that memory was freed since
+    for (int s = 0; s < ahead.n; ++s)
+      for (const char* p = ahead.lo[s]; p < ahead.hi[s] && gen_.load() == seen;)
+        for (int j = 0; j < 16 && p < ahead.hi[s]; ++j, p += 64) __builtin_prefetch(p, 0, 1);
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 1; gen_.load() == seen; ++i) {
       // spin, and after the first few microseconds give the core to any other thread that
@@ -176,12 +195,17 @@ class Workers {
     }
   }
   void loop() {
+    ReadAhead ahead;
     for (uint64_t seen = 0;;) {
-      wait_for_call(seen);
+      wait_for_call(seen, ahead);
       seen = gen_.load();
       if (stop_) return;
       ++inside_;
-      if (Job* job = job_.load()) job->drain();
+      ahead.n = 0;
+      if (Job* job = job_.load()) {
+        job->drain();
+        ahead = job->ahead;  // copied while the caller still waits for this worker
+      }
       --inside_;
     }
   }
@@ -198,13 +222,13 @@ class Workers {
   int size() const { return (int)threads_.size() + 1; }
 
   template <typename F>  // f(lo, hi) over consecutive pieces of [0, total), on every thread
-  void run(int64_t total, int64_t chunk, const F& f) {
+  void run(int64_t total, int64_t chunk, const F& f, const ReadAhead& ahead = {}) {
     if (threads_.empty() || total <= chunk) {
       if (total > 0) f(0, total);
       return;
     }
     Job job{[](const void* fn, int64_t lo, int64_t hi) { (*static_cast<const F*>(fn))(lo, hi); },
-            &f, total, chunk, (total + chunk - 1) / chunk};
+            &f, total, chunk, (total + chunk - 1) / chunk, ahead};
     job_.store(&job);
     ++gen_;
     if (sleeping_.load() > 0) { std::lock_guard<std::mutex> lock(mu_); cv_.notify_all(); }
@@ -215,6 +239,10 @@ class Workers {
     while (inside_.load() > 0) cpu_relax();  // a late worker may still be looking at `job`
   }
 };
+
+}  // namespace
+// --- part 4: one pool for the process ---
+namespace {
 
 // One Workers for the process, with as many threads as torch has (the Engine's num_threads),
 // rebuilt when that number changes. A forked child has none of its parent's threads: it

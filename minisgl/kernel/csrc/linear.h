@@ -64,6 +64,64 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t
 }
 
 }  // namespace
+// --- part 2: reading ahead, and the function Python calls ---
+namespace {
+
+// Which weight followed which, call by call. A decode step calls the same matmuls in the same
+// order every step, so after a call with weight w the workers read ahead the weights that
+// followed w last time, up to g_read_ahead bytes in all: as much as the last-level cache holds
+// (Linux names its size in sysfs; 8 MiB where it does not). Lines read further ahead would be
+// evicted before their call comes.
+int64_t cache_bytes() {
+  std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index3/size");  // "32768K"
+  int64_t kib = 0;
+  char unit = 0;
+  if (f >> kib >> unit && unit == 'K' && kib > 0) return kib << 10;
+  return int64_t(8) << 20;
+}
+int64_t g_read_ahead = cache_bytes();
+struct Next { const float* w; int64_t bytes; };
+std::unordered_map<const float*, Next> g_after;  // weight -> the weight called after it
+const float* g_last = nullptr;
+
+void record_call(const float* w, int64_t bytes) {
+  if (g_last != nullptr && g_last != w) {
+    if (g_after.size() > 4096) g_after.clear();  // a process that loads model after model
+    g_after[g_last] = {w, bytes};
+  }
+  g_last = w;
+}
+
+ReadAhead plan_read_ahead(const float* w) {
+  ReadAhead ahead;
+  int64_t left = g_read_ahead;
+  for (auto it = g_after.find(w); it != g_after.end() && it->second.w != w &&
+       ahead.n < ReadAhead::kSpans && left > 0; it = g_after.find(it->second.w)) {
+    const int64_t b = std::min(left, it->second.bytes);
+    ahead.lo[ahead.n] = reinterpret_cast<const char*>(it->second.w);
+    ahead.hi[ahead.n] = ahead.lo[ahead.n] + b;
+    ++ahead.n;
+    left -= b;
+  }
+  return ahead;
+}
+
+}  // namespace
+
+// What the workers read ahead after a call with weight w, as (address, bytes) spans; and the
+// budget for it (0: nothing is read ahead), returning the previous one. For tests and
+// benchmarks: the kernels work the same either way, only their speed differs.
+std::vector<std::pair<int64_t, int64_t>> read_ahead_plan(torch::Tensor w) {
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  const ReadAhead ahead = plan_read_ahead(w.data_ptr<float>());
+  for (int s = 0; s < ahead.n; ++s)
+    spans.emplace_back(reinterpret_cast<int64_t>(ahead.lo[s]), ahead.hi[s] - ahead.lo[s]);
+  return spans;
+}
+int64_t set_read_ahead(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "read-ahead budget must be >= 0 bytes, got ", bytes);
+  return std::exchange(g_read_ahead, bytes);
+}
 
 int64_t vector_lanes() { return kLanes; }  // floats per vector in this build
 std::string vector_isa() { return MINISGL_ISA; }  // the vector instructions this build targets
@@ -99,8 +157,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   const int64_t rows = std::max<int64_t>((64 << 10) / (4 * std::max<int64_t>(K, 1)),
                                          N / (4 * workers().size()));
   const int64_t chunk = std::max<int64_t>(1, rows / kTileRows) * kTileRows;
-  split_rows(N, chunk, [&](int64_t lo, int64_t hi) {
+  record_call(wp, ((N - 1) * ldw + K) * 4);
+  workers().run(N, chunk, [&](int64_t lo, int64_t hi) {
     linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi);
-  });
+  }, plan_read_ahead(wp));
   return y;
 }

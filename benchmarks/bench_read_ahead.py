@@ -1,0 +1,150 @@
+"""Reading the next weights ahead: the kernels' decode step with the read-ahead on and off.
+
+Between two matmuls of a decode step the calling thread runs a norm, rope, attention and the
+layer's Python; memory sits idle meanwhile, and the kernels' worker thread would only spin.
+Since 2026-12-03 ``linear`` (csrc/linear.h) remembers which weight followed which, and after a
+call the workers prefetch the weights that followed it last time, up to a budget (by default
+the size of the CPU's last-level cache, read from sysfs; 8 MiB where Linux does not say). This benchmark sets that budget (``set_read_ahead``) between interleaved rounds, in
+one process and one Engine (``cpu_kernels=True``), and times:
+
+- decode steps (the milestone's ``step()``) at batch 1, 4 and 16;
+- the 121 matmuls of a step back to back (the Engine's own weights, one row, nothing between
+  the calls): there is no idle memory to use, so the read-ahead can only cost here;
+- decode steps at batch 1 beside one, then four busy processes (started here, stopped by their
+  pids): a worker that reads ahead holds its core meanwhile, so this table puts your code's step
+  (chapters 01-06, ``cpu_kernels=False``, MKL's ``F.linear``) beside the kernels' with and
+  without read-ahead.
+
+Budget 0 is the kernels without read-ahead. Ratios are against it (below 1: faster).
+
+    python benchmarks/bench_read_ahead.py [--rounds 5] [--steps 24] [--threads N] [--no-readme]
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_decode import Engines
+from benchmarks.measure import ROOT, bench_parser, kernel_line, machine_line, run_and_record
+
+BATCHES = (1, 4, 16)
+BUDGETS_MIB = (0, 2, 8, 32)
+BUSY = (1, 4)  # busy processes beside the batch-1 steps
+
+
+def matmul_times(engine, passes: int = 5) -> list[float]:
+    """Seconds per pass over the Engine's 121 matmul weights, one row, back to back."""
+    from minisgl import kernel
+
+    mod = kernel.load()
+    model = engine.model
+    weights = []
+    for layer in model.model.layers.op_list:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights += [op.weight for op in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                         mlp.down_proj)]
+    head = model.lm_head  # tied to the embedding in SmolLM2: the embedding's weight
+    weights.append(head._tied_embedding.weight if head.tie_word_embeddings else head.weight)
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    out = []
+    for i in range(passes + 1):
+        t0 = time.perf_counter()
+        for w in weights:
+            mod.linear(xs[w.shape[1]], w, None)
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -> str:
+    from transformers import AutoTokenizer
+
+    from minisgl import kernel
+
+    mod = kernel.load()
+    if mod is None:
+        return f"The kernels could not be built ({kernel.unavailable_reason()}): nothing to measure."
+    tok = AutoTokenizer.from_pretrained(model_path)
+    engines = Engines(model_path, tok, threads)
+    runner = engines.get(True)
+    load_before = os.getloadavg()[0]
+    default = mod.set_read_ahead(0)
+    times: dict[tuple, list[float]] = defaultdict(list)
+    try:
+        for r in range(rounds):
+            for mib in (BUDGETS_MIB if r % 2 == 0 else BUDGETS_MIB[::-1]):
+                mod.set_read_ahead(mib << 20)
+                for b in BATCHES:
+                    times[mib, b] += runner.decode_times(b, steps)
+                times[mib, "mm"] += matmul_times(engines.engine)
+        for n_busy in BUSY:
+            busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                    for _ in range(n_busy)]
+            try:
+                for r in range(rounds):
+                    for job in (("torch", 0, default) if r % 2 == 0 else (default, 0, "torch")):
+                        runner = engines.get(job != "torch")
+                        if job != "torch":
+                            mod.set_read_ahead(job)
+                        times[job, "busy", n_busy] += runner.decode_times(1, steps)
+            finally:
+                for p in busy:  # only the processes started here, by their pid
+                    p.kill()
+                    p.wait()
+    finally:
+        mod.set_read_ahead(default)
+    threads = torch.get_num_threads()
+    engines.close()
+
+    ms = {key: statistics.median(v) * 1e3 for key, v in times.items()}
+    cols = [*BATCHES, "mm"]
+    name = model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path
+    lines = [
+        (f"Model `{name}`, float32, `cpu_kernels=True`; {machine_line(threads)}; "
+         f"{kernel_line()}; {datetime.date.today()}; medians of {rounds} interleaved rounds "
+         f"(x {steps} decode steps, x 5 passes over the matmuls); default budget "
+         f"{default / 2**20:g} MiB; load average before / after {load_before:.1f} / "
+         f"{os.getloadavg()[0]:.1f}."),
+        "",
+        "ms (against no read-ahead):",
+        "",
+        "| read-ahead | " + " | ".join(f"decode step, batch {b}" for b in BATCHES)
+        + " | 121 matmuls back to back, 1 row |",
+        "|---|" + "---:|" * len(cols),
+    ]
+    for mib in BUDGETS_MIB:
+        label = "none (budget 0)" if mib == 0 else f"{mib} MiB" + (
+            " (the default)" if mib << 20 == default else "")
+        cells = [f"{ms[mib, c]:.1f}" + ("" if mib == 0 else f" ({ms[mib, c] / ms[0, c]:.2f}x)")
+                 for c in cols]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", ("Beside busy processes (each a Python loop), decode step at batch 1, ms "
+                   "(against your code's step, whose matmuls are MKL's `F.linear`):"), "",
+              ("| busy processes | your code (`cpu_kernels=False`) | kernels, no read-ahead | "
+               f"kernels, {default / 2**20:g} MiB read-ahead (the default) |"),
+              "|---:|---:|---:|---:|"]
+    for n in BUSY:
+        t, off, on = (ms[job, "busy", n] for job in ("torch", 0, default))
+        lines.append(f"| {n} | {t:.1f} | {off:.1f} ({off / t:.2f}x) | {on:.1f} ({on / t:.2f}x) |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = bench_parser(__doc__)
+    ap.set_defaults(rounds=5, steps=24)
+    run_and_record(ap.parse_args(), run, "BENCH_READ_AHEAD",
+                   "Reading the next weights ahead (`bench_read_ahead.py`)")
+
+
+if __name__ == "__main__":
+    main()
