@@ -38,6 +38,14 @@ def kmod():
     return require_kernels()
 
 
+def run_script(code: str, timeout: int = 300, **env_extra) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh process, on the package under test: a crash or a hang there
+    fails one test, not the whole session."""
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_TREE), **env_extra}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout, check=False)
+
+
 def strided_rows(t: int, width: int, extra: int = 7, seed: int = 0) -> torch.Tensor:
     """``[t, width]`` rows that are a view into wider rows (like q inside the fused qkv)."""
     g = torch.Generator().manual_seed(seed)
@@ -228,9 +236,7 @@ def test_kernel_threads_survive_a_fork_a_busy_machine_and_sleep(kmod):
     """The kernels' threads (``Workers``, csrc/common.h) after a fork, beside a busy thread,
     after sleeping, and when the thread count changes: every call completes (within the
     timeout: a lost wake-up or a wait for a thread a fork left behind would hang) and is right."""
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE_TREE)}
-    out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], cwd=ROOT, env=env, text=True,
-                         capture_output=True, timeout=300)
+    out = run_script(THREADS_SCRIPT)
     assert out.returncode == 0 and "threads ok" in out.stdout, out.stderr[-3000:]
 
 
@@ -300,9 +306,7 @@ def test_reading_ahead_freed_memory_is_harmless(kmod):
     weight's memory is unmapped; a load there would kill the process with SIGSEGV."""
     if not pathlib.Path("/proc/self/maps").exists():
         pytest.skip("needs /proc/self/maps to know the memory is unmapped")
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE_TREE)}
-    out = subprocess.run([sys.executable, "-c", READ_FREED_SCRIPT], cwd=ROOT, env=env, text=True,
-                         capture_output=True, timeout=300, check=False)
+    out = run_script(READ_FREED_SCRIPT)
     assert out.returncode == 0 and "read ahead ok" in out.stdout, (
         f"exit status {out.returncode}: {out.stderr[-3000:]}")
 
@@ -556,11 +560,9 @@ engine.shutdown()
 
 
 def _run_engine(tmp_path, kernels: bool, **env_extra) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE_TREE), **env_extra}
     code = DEFAULT_ENGINE.replace("MODEL", repr(str(model_path("tiny-llama")))).replace(
         "KERNELS", repr(kernels))
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return run_script(code, timeout=600, **env_extra)
 
 
 def test_a_default_engine_imports_and_compiles_nothing(tmp_path):
