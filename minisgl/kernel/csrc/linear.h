@@ -64,7 +64,66 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t
 }
 
 }  // namespace
-// --- part 2: reading ahead, and the function Python calls ---
+// --- part 2: many rows ---
+namespace {
+
+// With AVX2's 16 registers the tile above spills its sums once x has more than a few rows, and
+// each running sum's FMA reads x again: more loads than multiply-adds. With a full vector of rows
+// or more, x is transposed instead (xt[k] holds column k of x, MV vectors, zeros past row M), and
+// each weight element, broadcast to a vector, meets MV vectors of rows at once: TR weight rows x
+// MV vectors of running sums, per k one load of each xt vector and one broadcast per weight row.
+constexpr bool kTransposeManyRows = kLanes == 8;  // 32 registers (AVX-512, NEON): no spills
+
+template <int MV, int TR>
+void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t pf, float* y,
+                   int64_t ldy, int64_t M, int64_t nn, const float* bias) {
+  vecf acc[TR][MV] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 floats: one cache line of each weight row
+    for (int i = 0; i < TR; ++i) __builtin_prefetch(wr[i] + k0 + pf);
+    for (int64_t k = k0; k < std::min<int64_t>(K, k0 + 16); ++k) {
+      vecf xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = loadv(xt + (k * MV + v) * kLanes);
+      for (int i = 0; i < TR; ++i) {
+        const float wk = wr[i][k];
+        for (int v = 0; v < MV; ++v) acc[i][v] += wk * xv[v];
+      }
+    }
+  }
+  for (int64_t i = 0; i < nn; ++i) {  // sum (i, v) lane l is y[v * kLanes + l, n0 + i]
+    float out[MV * kLanes];
+    std::memcpy(out, acc[i], sizeof(out));
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + i] = bias ? out[m] + bias[i] : out[m];
+  }
+}
+
+// Output features [lo, hi) for all M rows, TR weight rows at a time (as linear_rows above).
+template <int MV, int TR>
+void linear_rows_t(const float* xt, int64_t M, const float* w, int64_t ldw, int64_t K,
+                   const float* bias, float* y, int64_t N, int64_t lo, int64_t hi) {
+  for (int64_t n0 = lo; n0 < hi; n0 += TR) {
+    const int64_t nn = std::min<int64_t>(TR, hi - n0);
+    const float* wr[TR];  // a short last tile repeats its last row (never stored)
+    for (int i = 0; i < TR; ++i) wr[i] = w + (n0 + std::min<int64_t>(i, nn - 1)) * ldw;
+    const int64_t pf = n0 + 2 * TR <= hi ? TR * ldw : 0;
+    linear_tile_t<MV, TR>(xt, wr, K, pf, y + n0, N, M, nn, bias ? bias + n0 : nullptr);
+  }
+}
+
+// x [M, K] (rows ldx apart) -> xt [K][mv * kLanes], then the rows [lo, hi) of y: 12 sums a
+// tile whatever mv is (12 of AVX2's 16 registers; the others hold x and a broadcast).
+void linear_rows_many(const float* xt, int mv, int64_t M, const float* w, int64_t ldw,
+                      int64_t K, const float* bias, float* y, int64_t N, int64_t lo,
+                      int64_t hi) {
+  switch (mv) {
+    case 1: linear_rows_t<1, 12>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
+    case 2: linear_rows_t<2, 6>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
+    case 3: linear_rows_t<3, 4>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
+    default: linear_rows_t<4, 3>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
+  }
+}
+
+}  // namespace
+// --- part 3: reading ahead, and the function Python calls ---
 namespace {
 
 // Which weight followed which, call by call. A decode step calls the same matmuls in the same
@@ -158,8 +217,20 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
                                          N / (4 * workers().size()));
   const int64_t chunk = std::max<int64_t>(1, rows / kTileRows) * kTileRows;
   record_call(wp, ((N - 1) * ldw + K) * 4);
+  const ReadAhead ahead = plan_read_ahead(wp);
+  if (kTransposeManyRows && M >= kLanes && M <= 4 * kLanes) {  // part 2
+    const int mv = (int)((M + kLanes - 1) / kLanes);
+    std::vector<float> xt(K * mv * kLanes, 0.0f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xt[k * mv * kLanes + m] = xp[m * ldx + k];
+    const float* xtp = xt.data();
+    workers().run(N, std::max<int64_t>(1, rows / 12) * 12, [&](int64_t lo, int64_t hi) {
+      linear_rows_many(xtp, mv, M, wp, ldw, K, bp, yp, N, lo, hi);
+    }, ahead);
+    return y;
+  }
   workers().run(N, chunk, [&](int64_t lo, int64_t hi) {
     linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi);
-  }, plan_read_ahead(wp));
+  }, ahead);
   return y;
 }
