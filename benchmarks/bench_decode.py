@@ -14,7 +14,6 @@ rows say why and the rest still runs.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from pathlib import Path
@@ -24,14 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.measure import (
     PROMPTS,
-    ROOT,
     MinisglRunner,
     bench_parser,
+    header,
     hf_decode_times,
     hf_generate_tokens_per_s,
     interleave,
-    kernel_line,
-    machine_line,
     median_ms,
     read_bandwidth,
     run_and_record,
@@ -109,10 +106,8 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
     hf_gen = hf_generate_tokens_per_s(hf, tok, PROMPTS, n=16)
     roof_ms = roof * 1e3
 
-    name = model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path
     lines = [
-        (f"Model `{name}`, float32; {machine_line(threads)}; {kernel_line()}; "
-         f"{datetime.date.today()}; medians of "
+        (f"{header(model_path, 'float32', threads)}; medians of "
          f"{rounds} interleaved rounds x {steps} steps; load average before / after the run "
          f"{LOAD_BEFORE:.1f} / {load_after:.1f} (well above 0, other processes shared the cores "
          "and disturbed the numbers)."),

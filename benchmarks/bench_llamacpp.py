@@ -20,7 +20,6 @@ Without it, says so and exits 0. The GGUF files go to benchmarks/out/llamacpp/ (
 from __future__ import annotations
 
 import ctypes
-import datetime
 import logging
 import os
 import sys
@@ -37,8 +36,7 @@ from benchmarks.measure import (
     ROOT,
     MinisglRunner,
     bench_parser,
-    kernel_line,
-    machine_line,
+    header,
     median_ms,
     read_bandwidth,
     run_and_record,
@@ -285,13 +283,11 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
     def gbs(t_ms: float, nbytes: int = wbytes) -> str:
         return f"{nbytes / t_ms / 1e6:.1f}"
 
-    name = model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path
     import llama_cpp
 
     lines = [
-        (f"Model `{name}`, batch 1, greedy; {machine_line(threads)}; {kernel_line()}; "
-         f"llama-cpp-python "
-         f"{llama_cpp.__version__} (as many threads); {datetime.date.today()}; medians of "
+        (f"{header(model_path, 'batch 1, greedy', threads)}; llama-cpp-python "
+         f"{llama_cpp.__version__} (as many threads); medians of "
          f"{rounds} rounds x {len(PROMPTS)} prompts x {steps} tokens, interleaved prompt by "
          f"prompt; load average before / after {LOAD_BEFORE:.1f} / {load_after:.1f}."),
         "",

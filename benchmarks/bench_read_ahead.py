@@ -22,7 +22,6 @@ Budget 0 is the kernels without read-ahead. Ratios are against it (below 1: fast
 
 from __future__ import annotations
 
-import datetime
 import os
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_decode import Engines
-from benchmarks.measure import ROOT, bench_parser, kernel_line, machine_line, run_and_record
+from benchmarks.measure import bench_parser, header, run_and_record
 
 BATCHES = (1, 4, 16)
 BUDGETS_MIB = (0, 2, 8, 32)
@@ -108,10 +107,9 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
 
     ms = {key: statistics.median(v) * 1e3 for key, v in times.items()}
     cols = [*BATCHES, "mm"]
-    name = model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path
     lines = [
-        (f"Model `{name}`, float32, `cpu_kernels=True`; {machine_line(threads)}; "
-         f"{kernel_line()}; {datetime.date.today()}; medians of {rounds} interleaved rounds "
+        (f"{header(model_path, 'float32, `cpu_kernels=True`', threads)}; medians of {rounds} "
+         f"interleaved rounds "
          f"(x {steps} decode steps, x 5 passes over the matmuls); default budget "
          f"{default / 2**20:g} MiB; load average before / after {load_before:.1f} / "
          f"{os.getloadavg()[0]:.1f}."),

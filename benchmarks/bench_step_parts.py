@@ -23,7 +23,6 @@ rounds; rounds interleave the two configurations, one Engine at a time.
 
 from __future__ import annotations
 
-import datetime
 import os
 import statistics
 import sys
@@ -37,10 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_decode import CONFIGS, Engines
 from benchmarks.measure import (
     PROMPTS,
-    ROOT,
     bench_parser,
-    kernel_line,
-    machine_line,
+    header,
     run_and_record,
 )
 
@@ -169,10 +166,9 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
 
     cols = [(k, b) for b in BATCHES for k in configs]
     vals = {c: derived(*c) for c in cols}
-    name = model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path
     lines = [
-        (f"Model `{name}`, float32; {machine_line(threads)}; {kernel_line()}; "
-         f"{datetime.date.today()}; medians of {rounds} interleaved rounds x {steps} steps "
+        (f"{header(model_path, 'float32', threads)}; medians of {rounds} interleaved rounds x "
+         f"{steps} steps "
          f"(short prompts: 6 to {steps + 10} tokens of context); load average before / after "
          f"{load_before:.1f} / {os.getloadavg()[0]:.1f}."),
         "",

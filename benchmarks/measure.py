@@ -13,6 +13,7 @@ Definitions (the same as benchmarks/README.md states):
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import statistics
@@ -75,6 +76,14 @@ def kernel_line() -> str:
         return f"C++ kernels unavailable ({kernel.unavailable_reason()})"
     return (f"kernels built for {module.vector_isa()} ({module.vector_lanes()} floats per "
             f"vector, MINISGL_KERNEL_ISA={os.environ.get('MINISGL_KERNEL_ISA') or 'native'})")
+
+
+def header(model_path: Path, what: str, threads: int | None = None) -> str:
+    """The start of a table's header: the model (relative to the repository), what ran, the
+    machine, the kernels' build and today's date."""
+    name = model_path.relative_to(ROOT) if model_path.is_relative_to(ROOT) else model_path
+    return (f"Model `{name}`, {what}; {machine_line(threads)}; {kernel_line()}; "
+            f"{datetime.date.today()}")
 
 
 def bench_parser(doc: str | None):
