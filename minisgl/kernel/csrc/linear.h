@@ -109,8 +109,16 @@ void linear_rows_t(const float* xt, int64_t M, const float* w, int64_t ldw, int6
   }
 }
 
-// x [M, K] (rows ldx apart) -> xt [K][mv * kLanes], then the rows [lo, hi) of y: 12 sums a
-// tile whatever mv is (12 of AVX2's 16 registers; the others hold x and a broadcast).
+// x [M, K] (rows ldx apart) -> xt [K][mv * kLanes]: column k of x in mv vectors, zeros past M.
+std::vector<float> transpose_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int mv) {
+  std::vector<float> xt(K * mv * kLanes, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * mv * kLanes + m] = x[m * ldx + k];
+  return xt;
+}
+
+// The rows [lo, hi) of y from xt: 12 sums a tile whatever mv is (12 of AVX2's 16 registers;
+// the others hold x and a broadcast).
 void linear_rows_many(const float* xt, int mv, int64_t M, const float* w, int64_t ldw,
                       int64_t K, const float* bias, float* y, int64_t N, int64_t lo,
                       int64_t hi) {
@@ -220,9 +228,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   const ReadAhead ahead = plan_read_ahead(wp);
   if (kTransposeManyRows && M >= kLanes && M <= 4 * kLanes) {  // part 2
     const int mv = (int)((M + kLanes - 1) / kLanes);
-    std::vector<float> xt(K * mv * kLanes, 0.0f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xt[k * mv * kLanes + m] = xp[m * ldx + k];
+    const std::vector<float> xt = transpose_rows(xp, ldx, M, K, mv);
     const float* xtp = xt.data();
     workers().run(N, std::max<int64_t>(1, rows / 12) * 12, [&](int64_t lo, int64_t hi) {
       linear_rows_many(xtp, mv, M, wp, ldw, K, bp, yp, N, lo, hi);
