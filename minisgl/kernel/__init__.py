@@ -111,7 +111,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def small_batch_linear(x: torch.Tensor, w: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with the kernel for up to ``LINEAR_MAX_ROWS`` rows (the weight is read once,
-    4 output features at a time, in chunks the threads share), MKL for more (a prefill)."""
+    in chunks of output features the threads share), MKL for more (a prefill)."""
     if x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS:
         return _MODULE.linear(x, w, bias)
     return F.linear(x, w, bias)

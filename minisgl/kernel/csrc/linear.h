@@ -4,13 +4,37 @@
 
 namespace {
 
-// A tile: kTileRows weight rows (output features) against up to 4 rows of x. The weight rows
-// are read from memory once, a vector at a time, and each vector meets the rows of x (in L1) in
-// MM x kTileRows running sums. With 32 vector registers (AVX-512, NEON) all 16 sums, the 4
-// weight vectors and an x vector fit; with AVX2's 16 a few sums live in L1 instead, which still
-// beats reading each tile twice for two groups of 2 rows (121 matmuls of 16 rows, measured in
-// chapter 07: about 91 against 96 ms). While one tile is computed, the next tile's rows are
-// prefetched: its loads are already on their way when the tile's sums are done.
+// One row of x (one request's decode step): each output feature is the dot product of x with one
+// weight row, and a chunk's rows lie one after another in memory, so the loop reads the weight
+// front to back, a single stream, which the hardware prefetcher follows best (the tile below
+// reads 4 streams, a row apart). Eight partial sums keep eight loads and FMAs in flight: an FMA
+// into a sum waits for the one before it.
+void linear_one_row(const float* x, const float* w, int64_t ldw, int64_t K, const float* bias,
+                    float* y, int64_t lo, int64_t hi) {
+  for (int64_t n = lo; n < hi; ++n) {
+    const float* wn = w + n * ldw;
+    vecf acc[8] = {};
+    int64_t k = 0;
+    for (; k + 8 * kLanes <= K; k += 8 * kLanes)
+      for (int u = 0; u < 8; ++u)
+        acc[u] += loadv(x + k + u * kLanes) * loadv(wn + k + u * kLanes);
+    for (; k + kLanes <= K; k += kLanes) acc[0] += loadv(x + k) * loadv(wn + k);
+    // one expression, so the sums stay in registers (as a loop over acc, GCC stored them to the
+    // stack and read them back, row after row: 1.2x the time of 121 matmuls, chapter 07)
+    float s = hsum(((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+                   ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+    for (; k < K; ++k) s += x[k] * wn[k];  // K % kLanes tail
+    y[n] = bias ? s + bias[n] : s;
+  }
+}
+
+// A tile, for 2 to 7 rows: kTileRows weight rows (output features) against up to 4 rows of x.
+// The weight rows are read from memory once, a vector at a time, and each vector meets the rows
+// of x (in L1) in MM x kTileRows running sums. With 32 vector registers (AVX-512, NEON) all 16
+// sums, the 4 weight vectors and an x vector fit; with AVX2's 16 a few sums live in L1 instead.
+// While one tile is computed, the next tile's rows are prefetched: its loads are already on
+// their way when the tile's sums are done (without the prefetch, 121 matmuls of 2 and of 4 rows
+// took 1.11x and 1.18x as long, measured in chapter 07).
 constexpr int kTileRows = 4;
 constexpr int kTileX = 4;
 
@@ -43,6 +67,7 @@ void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K,
 // memory for its first group of x rows and from L1 for the others.
 void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
                  int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi) {
+  if (M == 1) return linear_one_row(x, w, ldw, K, bias, y, lo, hi);
   for (int64_t n0 = lo; n0 < hi; n0 += kTileRows) {
     const int64_t nn = std::min<int64_t>(kTileRows, hi - n0);
     const float* wr[kTileRows];  // a short last tile repeats its last row (never stored)
@@ -67,12 +92,14 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t
 // --- part 2: many rows ---
 namespace {
 
-// With AVX2's 16 registers the tile above spills its sums once x has more than a few rows, and
-// each running sum's FMA reads x again: more loads than multiply-adds. With a full vector of rows
-// or more, x is transposed instead (xt[k] holds column k of x, MV vectors, zeros past row M), and
-// each weight element, broadcast to a vector, meets MV vectors of rows at once: TR weight rows x
-// MV vectors of running sums, per k one load of each xt vector and one broadcast per weight row.
-constexpr bool kTransposeManyRows = kLanes == 8;  // 32 registers (AVX-512, NEON): no spills
+// From kManyRows rows on, x is transposed (xt[k] holds column k of x, MV vectors, zeros past row
+// M), and each weight element, broadcast to a vector, meets MV vectors of rows at once: TR weight
+// rows x MV vectors of running sums, per k one load of each xt vector and one broadcast per
+// weight row, and no horizontal sum at the end. The tile above pays twice for many rows: with
+// AVX2's 16 registers its sums spill and each FMA reads x again (more loads than multiply-adds);
+// with AVX-512 each of its outputs ends in a horizontal sum, 16 lanes added one by one, next to
+// 36 FMAs for K = 576.
+constexpr int64_t kManyRows = 8;  // measured on AVX2 and on AVX-512 (chapter 07)
 
 template <int MV, int TR>
 void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t pf, float* y,
@@ -226,7 +253,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   const int64_t chunk = std::max<int64_t>(1, rows / kTileRows) * kTileRows;
   record_call(wp, ((N - 1) * ldw + K) * 4);
   const ReadAhead ahead = plan_read_ahead(wp);
-  if (kTransposeManyRows && M >= kLanes && M <= 4 * kLanes) {  // part 2
+  if (M >= kManyRows && M <= 4 * kLanes) {  // part 2
     const int mv = (int)((M + kLanes - 1) / kLanes);
     const std::vector<float> xt = transpose_rows(xp, ldx, M, K, mv);
     const float* xtp = xt.data();
