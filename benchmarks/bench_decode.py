@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.measure import (
     PROMPTS,
     MinisglRunner,
+    ReadPass,
     bench_parser,
     header,
     hf_decode_times,
     hf_generate_tokens_per_s,
     interleave,
     median_ms,
-    read_bandwidth,
     run_and_record,
     step0_decode_times,
     weight_bytes,
@@ -89,20 +89,22 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
     s0 = step0.load_model(model_path)
     prompt = PROMPTS[0]
 
-    bw = read_bandwidth()
+    reader = ReadPass()  # the roofline's bandwidth, measured in every round with the rest
     wbytes = weight_bytes(model_path)
-    roof = wbytes / bw
 
     keys = [(k, b) for k in configs[::-1] for b in BATCHES]  # the Engine just built first
     jobs = [lambda k=k, b=b: engines.get(k).decode_times(b, steps) for k, b in keys]
     jobs += [lambda: hf_decode_times(hf, tok, prompt, steps),
-             lambda: step0_decode_times(model_path, tok, prompt, steps, model=s0)]
+             lambda: step0_decode_times(model_path, tok, prompt, steps, model=s0),
+             reader.times]
 
     samples = interleave(rounds, *jobs)
     engines.close()
     load_after = os.getloadavg()[0]
     ms = {key: median_ms(s) for key, s in zip(keys, samples)}
-    hf_ms, s0_ms = median_ms(samples[-2]), median_ms(samples[-1])
+    hf_ms, s0_ms = median_ms(samples[-3]), median_ms(samples[-2])
+    bw = reader.bandwidth(samples[-1])
+    roof = wbytes / bw
     hf_gen = hf_generate_tokens_per_s(hf, tok, PROMPTS, n=16)
     roof_ms = roof * 1e3
 
@@ -113,7 +115,8 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
          "and disturbed the numbers)."),
         "",
         (f"Weights {wbytes / 1e6:.0f} MB (tied embeddings once); read bandwidth "
-         f"{bw / 1e9:.1f} GB/s -> roofline {roof_ms:.1f} ms per decode step."),
+         f"{bw / 1e9:.1f} GB/s (`x.sum()` over 1 GiB, interleaved with the rounds) -> roofline "
+         f"{roof_ms:.1f} ms per decode step."),
         "",
     ]
     lines += [

@@ -35,10 +35,10 @@ from benchmarks.measure import (
     PROMPTS,
     ROOT,
     MinisglRunner,
+    ReadPass,
     bench_parser,
     header,
     median_ms,
-    read_bandwidth,
     run_and_record,
     weight_bytes,
 )
@@ -253,9 +253,9 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
     same_ids = all(llamas["F32"].tokenize(p) == ids[p] for p in PROMPTS)
     weights_check = same_weights(f32, model_path)
 
-    bw = read_bandwidth()
+    reader = ReadPass()  # the roofline's bandwidth, measured in every round with the rest
     wbytes = weight_bytes(model_path)
-    samples = {k: [] for k in ("minisgl", "F32", "Q4_1", "mm", "mkl")}
+    samples = {k: [] for k in ("minisgl", "F32", "Q4_1", "mm", "mkl", "read")}
     tokens = {k: {} for k in ("minisgl", "F32", "Q4_1")}
     try:
         for r in range(rounds):
@@ -269,6 +269,7 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
                     tokens[who].setdefault(p, out)
             samples["mm"] += matmul_pass(engine.model)
             samples["mkl"] += matmul_pass(engine.model, F.linear)
+            samples["read"] += reader.times()
             print(f"round {r + 1}/{rounds} done", file=sys.stderr)
     finally:
         for llama in llamas.values():
@@ -277,6 +278,7 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
     load_after = os.getloadavg()[0]
 
     ms = {k: median_ms(v) for k, v in samples.items()}
+    bw = reader.bandwidth(samples["read"])
     roof = wbytes / bw * 1e3
     q4_bytes = q4.stat().st_size
 
@@ -292,7 +294,10 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
          f"prompt; load average before / after {LOAD_BEFORE:.1f} / {load_after:.1f}."),
         "",
         (f"Weights {wbytes / 1e6:.0f} MB float32 (tied embeddings once); read bandwidth "
-         f"{bw / 1e9:.1f} GB/s -> roofline {roof:.1f} ms per token. llama.cpp F32 file: "
+         f"{bw / 1e9:.1f} GB/s (`x.sum()` over 1 GiB, median of every round's 3 passes; "
+         f"range {reader.bandwidth([max(samples['read'])]) / 1e9:.0f}-"
+         f"{reader.bandwidth([min(samples['read'])]) / 1e9:.0f}) -> roofline {roof:.1f} ms per "
+         f"token. llama.cpp F32 file: "
          f"{f32.stat().st_size / 1e6:.0f} MB ({tensor_types(f32)}); Q4_1 file: "
          f"{q4_bytes / 1e6:.0f} MB ({tensor_types(q4)}). The F32 file holds minisgl's weights: "
          f"{weights_check}. Prompt ids from HF's tokenizer for all; llama.cpp's tokenizer "

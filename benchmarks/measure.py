@@ -117,14 +117,31 @@ def median_ms(xs: Sequence[float]) -> float:
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 9) -> float:
     """Bytes per second of a read-only pass (``x.sum()``) over ``gib`` GiB of float32."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
-    x.sum()  # touch every page once
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times)
+    rp = ReadPass(gib)
+    return rp.bandwidth(rp.times(repeats))
+
+
+class ReadPass:
+    """The roofline's yardstick, to interleave with what it measures: a machine shared with
+    other work reads at 30 GB/s one minute and 55 the next, so one reading at the start of a run
+    can put the roofline far from the rounds it judges. ``times()`` is a job for
+    ``interleave``: seconds of ``repeats`` read-only passes (``x.sum()``) over ``gib`` GiB."""
+
+    def __init__(self, gib: float = 1.0):
+        self.x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+        self.x.sum()  # touch every page once
+
+    def times(self, repeats: int = 3) -> list[float]:
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.x.sum()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def bandwidth(self, times: list[float]) -> float:
+        """Bytes per second at the median of ``times``."""
+        return self.x.numel() * 4 / statistics.median(times)
 
 
 def weight_bytes(model_path: str | Path) -> int:
