@@ -151,11 +151,11 @@ def test_cpp_backend_prefill_is_chapter_05s(kmod):
     run_and_compare(env, env.make_batch(reqs, "prefill"), what="the 'cpp' backend's prefill")
 
 
-# rows: 1 (one weight row at a time, 8 partial sums), 2..7 in tiles of 4 rows of x plus a
-# remainder, and from 8 rows x transposed, in 1 or 2 vectors, full or not; (N, K): whole tiles and
-# 16-float chunks, short last tiles (N % 4, N % 12, N % 6), K below one vector, K with whole
-# blocks of 8 vectors, then single vectors, then a K % 16 tail (1077 = 1024 + 48 + 5), and
-# SmolLM2's gate_up and LM-head-like widths
+# rows: 1 to 3 (one weight row at a time, 8 to 12 partial sums), 4..7 in tiles of 4 rows of x
+# plus a remainder, and from 8 rows x transposed, in 1 or 2 vectors, full or not; (N, K): whole
+# tiles and 16-float chunks, short last tiles (N % 4, N % 12, N % 6), K below one vector, K with
+# whole blocks of 2 to 8 vectors, then single vectors, then a K % 16 tail (1077 = 1024 + 48 + 5,
+# a zero-padded vector), and SmolLM2's gate_up and LM-head-like widths
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16])
 @pytest.mark.parametrize("n,k", [(3072, 576), (577, 33), (6, 15), (1, 7), (37, 1077)])
 def test_linear_equals_a_float64_matmul(kmod, m, n, k):
@@ -373,8 +373,8 @@ def test_linear_with_narrower_vectors(kmod, flags, lanes):
         pytest.skip(f"cannot build with {flags}: {e}")
     assert mod.vector_lanes() == lanes, f"{flags} should give {lanes}-float vectors"
     g = torch.Generator().manual_seed(lanes)
-    for m, n, k in [(1, 577, 33), (1, 70, 1077), (4, 96, 64), (7, 6, 15), (9, 13, 37),
-                    (16, 130, 576)]:
+    for m, n, k in [(1, 577, 33), (1, 70, 1077), (2, 40, 37), (3, 21, 1077), (4, 96, 64),
+                    (7, 6, 15), (9, 13, 37), (16, 130, 576)]:
         x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n)
         want = x.double() @ w.double().T + b.double()
         err = (mod.linear(x, w, b).double() - want).abs().max().item()

@@ -88,6 +88,24 @@ inline float hsum(vecf v) {
   return s;
 }
 
+// The last n < kLanes floats at p in one vector, zeros after them (read lane by lane: never a
+// float past p[n - 1]). A zero adds nothing to a sum, so a K % kLanes tail takes the same FMAs as
+// the rest. In linear.h a tail written as a scalar loop after the sums, or through memcpy (a library
+// call), made GCC keep the running sums on the stack, even in calls where it never ran.
+inline vecf load_tail(const float* p, int64_t n) {
+  vecf v = {};
+  for (int l = 0; l < kLanes; ++l) v[l] = l < n ? p[l] : 0.0f;
+  return v;
+}
+
+// a[0] + ... + a[U - 1], pairwise, one expression once inlined: every index is a constant, so
+// the sums stay in registers (as a loop over a, GCC stored them to the stack and read them back)
+template <int U>
+inline vecf sum_pairwise(const vecf* a) {
+  if constexpr (U == 1) return a[0];
+  else return sum_pairwise<U / 2>(a) + sum_pairwise<U - U / 2>(a + U / 2);
+}
+
 // sum(a[i] * b[i]) in four vectors of partial sums (the FMAs into one vector wait for each other)
 inline float dot(const float* a, const float* b, int64_t n) {
   vecf acc[4] = {};

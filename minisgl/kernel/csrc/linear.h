@@ -4,37 +4,45 @@
 
 namespace {
 
-// One row of x (one request's decode step): each output feature is the dot product of x with one
-// weight row, and a chunk's rows lie one after another in memory, so the loop reads the weight
-// front to back, a single stream, which the hardware prefetcher follows best (the tile below
-// reads 4 streams, a row apart). Eight partial sums keep eight loads and FMAs in flight: an FMA
-// into a sum waits for the one before it.
-void linear_one_row(const float* x, const float* w, int64_t ldw, int64_t K, const float* bias,
-                    float* y, int64_t lo, int64_t hi) {
+// 1 to 3 rows of x: one weight row at a time, against each row of x. A chunk's weight rows lie
+// one after another in memory, so the loop reads the weight front to back, a single stream,
+// which the hardware prefetcher follows best (the tile below reads 4 streams, a row apart).
+// Each weight vector meets the MM rows of x (in L1), into U partial sums per row: an FMA into a
+// sum waits for the one before it, and 8 to 12 independent sums keep loads and FMAs in flight.
+template <int MM, int U>
+void linear_few_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+                     const float* bias, float* y, int64_t ldy, int64_t lo, int64_t hi) {
   for (int64_t n = lo; n < hi; ++n) {
     const float* wn = w + n * ldw;
-    vecf acc[8] = {};
+    vecf acc[MM][U] = {};
     int64_t k = 0;
-    for (; k + 8 * kLanes <= K; k += 8 * kLanes)
-      for (int u = 0; u < 8; ++u)
-        acc[u] += loadv(x + k + u * kLanes) * loadv(wn + k + u * kLanes);
-    for (; k + kLanes <= K; k += kLanes) acc[0] += loadv(x + k) * loadv(wn + k);
-    // one expression, so the sums stay in registers (as a loop over acc, GCC stored them to the
-    // stack and read them back, row after row: 1.2x the time of 121 matmuls, chapter 07)
-    float s = hsum(((acc[0] + acc[1]) + (acc[2] + acc[3])) +
-                   ((acc[4] + acc[5]) + (acc[6] + acc[7])));
-    for (; k < K; ++k) s += x[k] * wn[k];  // K % kLanes tail
-    y[n] = bias ? s + bias[n] : s;
+    for (; k + U * kLanes <= K; k += U * kLanes)
+      for (int u = 0; u < U; ++u) {
+        const vecf a = loadv(wn + k + u * kLanes);
+        for (int m = 0; m < MM; ++m) acc[m][u] += loadv(x + m * ldx + k + u * kLanes) * a;
+      }
+    for (; k + kLanes <= K; k += kLanes) {
+      const vecf a = loadv(wn + k);
+      for (int m = 0; m < MM; ++m) acc[m][0] += loadv(x + m * ldx + k) * a;
+    }
+    if (k < K) {
+      const vecf a = load_tail(wn + k, K - k);
+      for (int m = 0; m < MM; ++m) acc[m][U - 1] += load_tail(x + m * ldx + k, K - k) * a;
+    }
+    for (int m = 0; m < MM; ++m) {
+      const float s = hsum(sum_pairwise<U>(acc[m]));
+      y[m * ldy + n] = bias ? s + bias[n] : s;
+    }
   }
 }
 
-// A tile, for 2 to 7 rows: kTileRows weight rows (output features) against up to 4 rows of x.
+// A tile, for 4 to 7 rows: kTileRows weight rows (output features) against up to 4 rows of x.
 // The weight rows are read from memory once, a vector at a time, and each vector meets the rows
 // of x (in L1) in MM x kTileRows running sums. With 32 vector registers (AVX-512, NEON) all 16
 // sums, the 4 weight vectors and an x vector fit; with AVX2's 16 a few sums live in L1 instead.
 // While one tile is computed, the next tile's rows are prefetched: its loads are already on
-// their way when the tile's sums are done (without the prefetch, 121 matmuls of 2 and of 4 rows
-// took 1.11x and 1.18x as long, measured in chapter 07).
+// their way when the tile's sums are done (without the prefetch, 121 matmuls of 4 rows took
+// 1.18x as long, measured in chapter 07).
 constexpr int kTileRows = 4;
 constexpr int kTileX = 4;
 
@@ -54,20 +62,31 @@ void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K,
       for (int i = 0; i < kTileRows; ++i) acc[m][i] += xv * a[i];
     }
   }
-  for (int m = 0; m < MM; ++m) {
-    for (int64_t i = 0; i < nn; ++i) {
-      float s = hsum(acc[m][i]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[m * ldx + kk] * wr[i][kk];  // K % kLanes tail
-      y[m * ldy + i] = bias ? s + bias[i] : s;
+  if (k < K) {
+    vecf a[kTileRows];
+    for (int i = 0; i < kTileRows; ++i) a[i] = load_tail(wr[i] + k, K - k);
+    for (int m = 0; m < MM; ++m) {
+      const vecf xv = load_tail(x + m * ldx + k, K - k);
+      for (int i = 0; i < kTileRows; ++i) acc[m][i] += xv * a[i];
     }
   }
+  for (int m = 0; m < MM; ++m)
+    for (int64_t i = 0; i < nn; ++i) {
+      const float s = hsum(acc[m][i]);
+      y[m * ldy + i] = bias ? s + bias[i] : s;
+    }
 }
 
-// Output features [lo, hi) for all M rows of x, tile by tile: a tile's weight rows come from
-// memory for its first group of x rows and from L1 for the others.
+// Output features [lo, hi) for all M rows of x: up to 3 rows weight row by weight row, more tile
+// by tile (a tile's weight rows come from memory for its first group of x rows, from L1 after).
 void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
                  int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi) {
-  if (M == 1) return linear_one_row(x, w, ldw, K, bias, y, lo, hi);
+  switch (M) {
+    case 1: return linear_few_rows<1, 8>(x, ldx, w, ldw, K, bias, y, N, lo, hi);
+    case 2: return linear_few_rows<2, 4>(x, ldx, w, ldw, K, bias, y, N, lo, hi);
+    case 3:  // 12 sums with 32 vector registers, 6 with AVX2's 16
+      return linear_few_rows<3, kLanes == 16 ? 4 : 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi);
+  }
   for (int64_t n0 = lo; n0 < hi; n0 += kTileRows) {
     const int64_t nn = std::min<int64_t>(kTileRows, hi - n0);
     const float* wr[kTileRows];  // a short last tile repeats its last row (never stored)
