@@ -151,7 +151,7 @@ def test_cpp_backend_prefill_is_chapter_05s(kmod):
     run_and_compare(env, env.make_batch(reqs, "prefill"), what="the 'cpp' backend's prefill")
 
 
-# rows: 1 to 3 (one weight row at a time, 8 to 12 partial sums), 4..7 in tiles of 4 rows of x
+# rows: 1 to 4 (one weight row at a time, 8 to 16 partial sums), 5..7 in tiles of 4 rows of x
 # plus a remainder, and from 8 rows x transposed, in 1 or 2 vectors, full or not; (N, K): whole
 # tiles and 16-float chunks, short last tiles (N % 4, N % 12, N % 6), K below one vector, K with
 # whole blocks of 2 to 8 vectors, then single vectors, then a K % 16 tail (1077 = 1024 + 48 + 5,

@@ -4,11 +4,15 @@
 
 namespace {
 
-// 1 to 3 rows of x: one weight row at a time, against each row of x. A chunk's weight rows lie
-// one after another in memory, so the loop reads the weight front to back, a single stream,
-// which the hardware prefetcher follows best (the tile below reads 4 streams, a row apart).
+// 1 to 4 rows of x: one weight row at a time, against each row of x. A chunk's weight rows lie
+// one after another in memory, so the loop reads the weight front to back, a single stream.
 // Each weight vector meets the MM rows of x (in L1), into U partial sums per row: an FMA into a
-// sum waits for the one before it, and 8 to 12 independent sums keep loads and FMAs in flight.
+// sum waits for the one before it, and 8 to 16 independent sums keep loads and FMAs in flight.
+// The loop asks for the line kAhead floats ahead into L2 (locality 1: prefetcht2 on x86): a core
+// has only so many loads waiting for memory, and with 3 or 4 rows of x the instructions between
+// two weight lines keep the hardware from looking far enough ahead by itself.
+constexpr int64_t kAhead = 2048;  // floats: 8 KB, a few weight rows
+
 template <int MM, int U>
 void linear_few_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
                      const float* bias, float* y, int64_t ldy, int64_t lo, int64_t hi) {
@@ -18,6 +22,8 @@ void linear_few_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, i
     int64_t k = 0;
     for (; k + U * kLanes <= K; k += U * kLanes)
       for (int u = 0; u < U; ++u) {
+        if (MM > 1 && u * kLanes % 16 == 0)  // one row: the hardware keeps up by itself
+          __builtin_prefetch(wn + k + u * kLanes + kAhead, 0, 1);
         const vecf a = loadv(wn + k + u * kLanes);
         for (int m = 0; m < MM; ++m) acc[m][u] += loadv(x + m * ldx + k + u * kLanes) * a;
       }
@@ -36,13 +42,12 @@ void linear_few_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, i
   }
 }
 
-// A tile, for 4 to 7 rows: kTileRows weight rows (output features) against up to 4 rows of x.
+// A tile, for 5 to 7 rows: kTileRows weight rows (output features) against up to 4 rows of x.
 // The weight rows are read from memory once, a vector at a time, and each vector meets the rows
 // of x (in L1) in MM x kTileRows running sums. With 32 vector registers (AVX-512, NEON) all 16
 // sums, the 4 weight vectors and an x vector fit; with AVX2's 16 a few sums live in L1 instead.
-// While one tile is computed, the next tile's rows are prefetched: its loads are already on
-// their way when the tile's sums are done (without the prefetch, 121 matmuls of 4 rows took
-// 1.18x as long, measured in chapter 07).
+// While one tile is computed, the next tile's rows are prefetched into L2: its loads are already
+// on their way when the tile's sums are done.
 constexpr int kTileRows = 4;
 constexpr int kTileX = 4;
 
@@ -54,7 +59,7 @@ void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K,
   for (; k + kLanes <= K; k += kLanes) {
     vecf a[kTileRows];
     for (int i = 0; i < kTileRows; ++i) {
-      __builtin_prefetch(wr[i] + k + pf);
+      __builtin_prefetch(wr[i] + k + pf, 0, 1);
       a[i] = loadv(wr[i] + k);
     }
     for (int m = 0; m < MM; ++m) {
@@ -77,7 +82,7 @@ void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K,
     }
 }
 
-// Output features [lo, hi) for all M rows of x: up to 3 rows weight row by weight row, more tile
+// Output features [lo, hi) for all M rows of x: up to 4 rows weight row by weight row, more tile
 // by tile (a tile's weight rows come from memory for its first group of x rows, from L1 after).
 void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
                  int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi) {
@@ -86,6 +91,8 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t
     case 2: return linear_few_rows<2, 4>(x, ldx, w, ldw, K, bias, y, N, lo, hi);
     case 3:  // 12 sums with 32 vector registers, 6 with AVX2's 16
       return linear_few_rows<3, kLanes == 16 ? 4 : 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi);
+    case 4:  // 16 sums with 32 vector registers, 8 with AVX2's 16
+      return linear_few_rows<4, kLanes == 16 ? 4 : 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi);
   }
   for (int64_t n0 = lo; n0 < hi; n0 += kTileRows) {
     const int64_t nn = std::min<int64_t>(kTileRows, hi - n0);
@@ -125,7 +132,7 @@ void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t p
                    int64_t ldy, int64_t M, int64_t nn, const float* bias) {
   vecf acc[TR][MV] = {};
   for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 floats: one cache line of each weight row
-    for (int i = 0; i < TR; ++i) __builtin_prefetch(wr[i] + k0 + pf);
+    for (int i = 0; i < TR; ++i) __builtin_prefetch(wr[i] + k0 + pf, 0, 1);  // into L2
     for (int64_t k = k0; k < std::min<int64_t>(K, k0 + 16); ++k) {
       vecf xv[MV];
       for (int v = 0; v < MV; ++v) xv[v] = loadv(xt + (k * MV + v) * kLanes);
