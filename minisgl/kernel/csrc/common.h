@@ -89,9 +89,9 @@ inline float hsum(vecf v) {
 }
 
 // The last n < kLanes floats at p in one vector, zeros after them (read lane by lane: never a
-// float past p[n - 1]). A zero adds nothing to a sum, so a K % kLanes tail takes the same FMAs as
-// the rest. In linear.h a tail written as a scalar loop after the sums, or through memcpy (a library
-// call), made GCC keep the running sums on the stack, even in calls where it never ran.
+// float past p[n - 1]). A zero adds nothing to a sum, so a K % kLanes tail takes the same FMAs
+// as the rest. In linear.h a tail written as a scalar loop after the sums, or through memcpy (a
+// library call), made GCC keep the running sums on the stack, even in calls where it never ran.
 inline vecf load_tail(const float* p, int64_t n) {
   vecf v = {};
   for (int l = 0; l < kLanes; ++l) v[l] = l < n ? p[l] : 0.0f;
