@@ -110,6 +110,52 @@ def test_rope_equals_the_learner_code(kmod, fused, t):
     assert torch.equal(v, v_ref), "rope must not touch v, which follows k in the fused qkv"
 
 
+# vocabularies: below one vector, a whole vector, a tail after whole vectors, SmolLM2's 49152
+@pytest.mark.parametrize("v", [1, 5, 16, 17, 1000, 49152])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("kind", ["random", "ties", "nan", "inf", "all-inf", "strided"])
+def test_greedy_argmax_equals_torch_argmax(kmod, v, rows, kind):
+    """The Sampler's greedy kernel gives ``torch.argmax``'s index in every row: the first one
+    on a tie (equal values in different lanes, or a later value equal to an earlier one), the
+    first NaN where a row has one, index 0 in a row of -inf, and rows that are strided views."""
+    g = torch.Generator().manual_seed(v * 31 + rows)
+    x = torch.randn(rows, v, generator=g)
+    if kind == "ties":  # few distinct values: the maximum occurs many times
+        x = torch.randint(-2, 3, (rows, v), generator=g).float()
+    elif kind == "nan":
+        x[:, (v * 2) // 3] = float("nan")
+        x[0, v // 3] = float("nan")
+    elif kind == "inf":
+        x[:, v - 1] = float("inf")
+        x[-1, 0] = float("inf")
+    elif kind == "all-inf":
+        x = torch.full((rows, v), float("-inf"))
+    elif kind == "strided":
+        x = torch.randn(rows, v + 9, generator=g)[:, 4: 4 + v]
+    got, want = kmod.argmax_rows(x), torch.argmax(x, dim=-1)
+    assert got.dtype == torch.int64 and torch.equal(got, want), (
+        f"argmax_rows of {rows}x{v} ({kind}) gave {got.tolist()[:8]}, torch.argmax "
+        f"{want.tolist()[:8]}")
+
+
+def test_greedy_argmax_on_generated_rows(kmod):
+    """Hypothesis: rows drawn from a few values (ties everywhere) with infinities and NaNs."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    value = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"),
+                             float("nan"), 1e-30, -3e38])
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.lists(value, min_size=1, max_size=70), min_size=1, max_size=4)
+           .filter(lambda rows: len({len(r) for r in rows}) == 1))
+    def check(rows):
+        x = torch.tensor(rows, dtype=torch.float32)
+        assert torch.equal(kmod.argmax_rows(x), torch.argmax(x, dim=-1)), rows
+
+    check()
+
+
 @pytest.mark.parametrize("lengths", [[7, 7, 7], [7, 2, 20, 11], [1]], ids=["equal", "ragged",
                                                                            "one-token"])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 1)])
@@ -405,6 +451,19 @@ def test_bad_input_gets_a_clear_error(kmod):
     with pytest.raises(RuntimeError, match="seq_len 3 must be in 1..2"):
         m.decode_attention(q, k_cache, k_cache.clone(), torch.tensor([0, 1]),
                            torch.tensor([3]), 2, 8)
+    for bad_q in (torch.randn(1, 2, 16)[:, :, :8], torch.randn(1, 4, 4),  # strided, wrong D
+                  torch.randn(1, 8, 2).transpose(1, 2)):
+        with pytest.raises(RuntimeError, match=r"a 3-D q must be \[B, Hq, head_dim=8\]"):
+            m.decode_attention(bad_q, k_cache, k_cache.clone(), torch.tensor([0, 1]),
+                               torch.tensor([2]), 2, 8)
+    with pytest.raises(RuntimeError, match="positions has 2 entries, x2 has 3 rows"):
+        m.rope_inplace(torch.tensor([1, 2]), torch.randn(2, 8), torch.randn(10, 8), 8,
+                       torch.randn(3, 8))
+    with pytest.raises(RuntimeError, match="x2's last dim \\(6\\)"):
+        m.rope_inplace(torch.tensor([1, 2]), torch.randn(2, 8), torch.randn(10, 8), 8,
+                       torch.randn(2, 6))
+    with pytest.raises(RuntimeError, match="logits must be float32"):
+        m.argmax_rows(torch.randn(2, 8).double())
     with pytest.raises(RuntimeError, match="input-major weight"):
         m.linear(x, torch.randn(8, 3).t(), None)  # [3, 8] stored input-major
     with pytest.raises(RuntimeError, match=r"the weight must be \[out_features, 8\]"):
@@ -500,8 +559,9 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
         assert layer.self_attn.qkv_proj.weight.stride(1) == 1, "the checkpoint's [out, in] rows"
         layers = len(engine.model.model.layers.op_list)
         assert engine.kv_cache._kernel is kernel.store_kv  # the pool is built with the ops
+        assert engine.sampler._argmax is kernel.argmax  # built inside build_ops too
         names = ["rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rope_inplace",
-                 "decode_attention", "linear", "store_kv"]
+                 "decode_attention", "linear", "store_kv", "argmax_rows"]
         counts = dict.fromkeys(names + ["pool.store_kv"], 0)
         real, real_store = kernel._MODULE, engine.kv_cache.store_kv
 
@@ -529,7 +589,7 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
         assert counts == {"rmsnorm": 1, "fused_add_rmsnorm": 2 * layers, "silu_and_mul": layers,
                           "rope_inplace": layers, "decode_attention": layers,
                           "linear": 4 * layers + 1, "store_kv": layers,
-                          "pool.store_kv": layers}, counts
+                          "argmax_rows": 1, "pool.store_kv": layers}, counts
     finally:
         engine.shutdown()
     # the kernels' rope is a table of its own: a default Engine built next runs 2.8
@@ -542,6 +602,7 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
         assert layer.mlp._act_fn is silu_and_mul
         assert layer.self_attn.qkv_proj._matmul is F.linear
         assert engine.kv_cache._kernel is None
+        assert engine.sampler._argmax is not kernel.argmax
     finally:
         engine.shutdown()
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import NamedTuple, Tuple
+from typing import Callable, NamedTuple, Tuple
 
 import torch
 
 from minisgl.core import Batch, Req
+from minisgl.layers.impls import current_ops
 from minisgl.sampling_params import check_sampling_params
 
 
@@ -60,16 +61,24 @@ def sample_impl(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.T
     # END SOLUTION
 
 
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits, dim=-1)
+
+
 @dataclass
 class Sampler:
     device: torch.device
     vocab_size: int
     seed: int = 42
     _generator: torch.Generator = field(init=False, repr=False)
+    _argmax: Callable = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(self.seed)
+        # the greedy path's argmax, chosen when the Sampler is built (chapter 02's impls.py): the
+        # Engine builds it inside build_ops, so chapter 07's kernel when it runs those
+        self._argmax = current_ops().argmax or _argmax_rows
 
     @_for_these_requests
     def prepare(self, batch: Batch) -> BatchSamplingArgs:
@@ -105,5 +114,5 @@ class Sampler:
                              f"{logits.shape[0]} rows of logits: prepare the args for this batch "
                              "(sampler.prepare(batch)).")
         if args.temperatures is None:
-            return torch.argmax(logits, dim=-1)
+            return self._argmax(logits)
         return sample_impl(logits, args.temperatures, args.top_k, args.top_p, self._generator)

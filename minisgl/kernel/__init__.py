@@ -80,9 +80,9 @@ def load() -> ModuleType | None:
 def unavailable_reason() -> str | None:
     """Why ``load()`` returned None (None when it has not failed)."""
     return _FAILED
+# --- part 2: the ops' functions and the "cpp" backend ---
 
 
-# ------------------------------------------------------------------ implementations of the ops
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 eps: float):
     """``RMSNormFused``'s contract: ``(norm(x), x)``, or add ``x`` into ``residual`` first."""
@@ -91,10 +91,10 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return _MODULE.fused_add_rmsnorm(x, residual, weight, eps), residual
 
 
-def rope(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
-         head_size: int) -> None:
-    """Rotate ``x [T, H*D]`` (q, k, or both side by side) in place."""
-    _MODULE.rope_inplace(positions, x, cos_sin_cache, head_size)
+def rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+         cos_sin_cache: torch.Tensor, head_size: int) -> None:
+    """Rotate ``query [T, Hq*D]`` and ``key [T, Hkv*D]`` in place, in one call."""
+    _MODULE.rope_inplace(positions, query, cos_sin_cache, head_size, key)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +106,13 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """The KV pool's ``store_kv`` (chapter 04): row ``j`` of ``k``, ``v`` into slot ``out_loc[j]``
     of one layer's caches."""
     _MODULE.store_kv(k_cache, v_cache, k, v, out_loc)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The Sampler's greedy path: each row's ``torch.argmax``, in one vectorised pass."""
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu":
+        return _MODULE.argmax_rows(logits)
+    return torch.argmax(logits, dim=-1)
 
 
 def small_batch_linear(x: torch.Tensor, w: torch.Tensor,
@@ -131,6 +138,7 @@ def _register_backend() -> None:
 _register_backend()
 from .binding import op_impls  # last: it imports the functions above
 
-__all__ = ["ISA_FLAGS", "LINEAR_MAX_ROWS", "KernelBuildError", "add_rmsnorm", "build_flags",
+__all__ = ["ISA_FLAGS", "LINEAR_MAX_ROWS", "KernelBuildError", "add_rmsnorm", "argmax",
+           "build_flags",
            "cache_dir", "load", "op_impls", "rope", "silu_and_mul", "small_batch_linear",
            "store_kv", "unavailable_reason"]

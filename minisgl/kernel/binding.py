@@ -9,15 +9,16 @@ chapters' code. What each op gets (the functions live in ``__init__.py``):
 - ``RotaryEmbedding`` -> ``rope`` (``rope_inplace``);
 - ``GatedMLP``'s silu -> ``silu_and_mul``;
 - the linear ops and the LM head -> ``small_batch_linear`` (``linear``);
-- the KV pool (built inside ``build_ops`` too) -> ``store_kv``.
+- the KV pool (built inside ``build_ops`` too) -> ``store_kv``;
+- the Sampler's greedy path (built inside ``build_ops`` too) -> ``argmax`` (``argmax_rows``).
 """
 
 from __future__ import annotations
 
 from minisgl.layers import OpImpls
 
-from . import (KernelBuildError, add_rmsnorm, load, rope, silu_and_mul, small_batch_linear,
-               store_kv, unavailable_reason)
+from . import (KernelBuildError, add_rmsnorm, argmax, load, rope, silu_and_mul,
+               small_batch_linear, store_kv, unavailable_reason)
 
 
 def op_impls() -> OpImpls:
@@ -26,4 +27,4 @@ def op_impls() -> OpImpls:
     if load() is None:
         raise KernelBuildError(f"the C++ kernels are unavailable: {unavailable_reason()}")
     return OpImpls(name="cpp", matmul=small_batch_linear, add_rmsnorm=add_rmsnorm, rope=rope,
-                   silu_and_mul=silu_and_mul, store_kv=store_kv)
+                   silu_and_mul=silu_and_mul, store_kv=store_kv, argmax=argmax)

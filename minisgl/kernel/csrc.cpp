@@ -20,7 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "RMSNorm of each row");
   m.def("fused_add_rmsnorm", &fused_add_rmsnorm, "residual += x, then RMSNorm of residual");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]");
-  m.def("rope_inplace", &rope_inplace, "rotate every head of each row by its position");
+  m.def("rope_inplace", &rope_inplace, "rotate every head of each row (of x, and x2 when "
+        "given) by its position", py::arg("positions"), py::arg("x"), py::arg("cos_sin"),
+        py::arg("head_size"), py::arg("x2") = py::none());
+  m.def("argmax_rows", &argmax_rows, "each row's largest logit's index (torch.argmax's)");
   m.def("decode_attention", &decode_attention, "one query per request over the paged pool");
   m.def("store_kv", &store_kv, "row j of k and v into slot out_loc[j] of one layer's caches");
   m.def("linear", &linear, "x @ w.T (+ bias) for a few rows of x");

@@ -32,6 +32,9 @@ class MHAKVCache(BaseKVCachePool):
                                       head_dim, dtype=dtype, device=device)
         self._k_buffer = self._kv_buffer[0]
         self._v_buffer = self._kv_buffer[1]
+        # each layer's view, made once: indexing a tensor costs a microsecond, a list nothing
+        self._k_layers = list(self._k_buffer.unbind(0))
+        self._v_layers = list(self._v_buffer.unbind(0))
         self._kernel = current_ops().store_kv  # None: the code of store_kv below (impls.py)
 
     @property
@@ -40,17 +43,17 @@ class MHAKVCache(BaseKVCachePool):
         return self.num_pages * self.page_size
 
     def k_cache(self, index: int) -> torch.Tensor:
-        return self._k_buffer[index]
+        return self._k_layers[index]
 
     def v_cache(self, index: int) -> torch.Tensor:
-        return self._v_buffer[index]
+        return self._v_layers[index]
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
                  layer_id: int) -> None:
         """Scatter ``k``, ``v`` (``[T, Hkv*D]``, possibly strided views) into slots ``out_loc``
         (``[T]``, int32 or int64) of layer ``layer_id``; no other slot changes."""
         if self._kernel is not None:  # a fused kernel this pool was built with
-            self._kernel(self._k_buffer[layer_id], self._v_buffer[layer_id], k, v, out_loc)
+            self._kernel(self._k_layers[layer_id], self._v_layers[layer_id], k, v, out_loc)
             return
         # BEGIN SOLUTION 4.1: view the layer as flat slots and copy row j into slot out_loc[j]
         index = out_loc if out_loc.dtype == torch.int64 else out_loc.long()

@@ -23,12 +23,16 @@ class OpImpls:
     matmul: Callable = F.linear  # linear ops and the LM head: (x, weight, bias) -> y
     # RMSNormFused: (x, residual or None, weight, eps) -> (y, residual); None: the op's own code
     add_rmsnorm: Callable | None = None
-    # RotaryEmbedding: (positions, x, cos_sin_cache, head_size), x rotated in place; None: own code
+    # RotaryEmbedding: (positions, query, key, cos_sin_cache, head_size), both rotated in place;
+    # None: the op's own code
     rope: Callable | None = None
     silu_and_mul: Callable | None = None  # the MLP's silu activation; None: layers.silu_and_mul
     # the KV pool's store_kv (chapter 04): (k_layer, v_layer, k, v, out_loc), the layer's slots
     # written in place; the Engine builds its pool inside build_ops too. None: the pool's code
     store_kv: Callable | None = None
+    # the Sampler's greedy path (chapter 06): logits [B, V] -> int64 [B], torch.argmax's answer
+    # (first index on a tie); None: torch.argmax
+    argmax: Callable | None = None
 
 
 TORCH_OPS = OpImpls()

@@ -47,8 +47,7 @@ class RotaryEmbedding(StateLessOP):
                 key: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query [T, Hq*D]`` and ``key [T, Hkv*D]`` in place; returns them."""
         if self._kernel is not None:  # a fused kernel this op was built with
-            for x in _rotation_targets(query, key):
-                self._kernel(positions, x, self._cos_sin_cache, self.head_size)
+            self._kernel(positions, query, key, self._cos_sin_cache, self.head_size)
             return query, key
         cos_sin = self._cos_sin_cache.index_select(0, positions)  # [T, D]
         half = self.rotary_dim // 2

@@ -8,16 +8,23 @@
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor kv_slots, torch::Tensor seq_lens, int64_t max_kv_len,
                                int64_t head_dim) {
-  check_rows(q, "q");
+  // q: [B, Hq * D], or [B, Hq, D] as the attention layer hands it over (o is then the same)
+  const bool heads = q.dim() == 3;
+  if (heads)
+    TORCH_CHECK(q.size(2) == head_dim && q.stride(2) == 1 && q.stride(1) == head_dim,
+                "a 3-D q must be [B, Hq, head_dim=", head_dim, "] with each row's heads "
+                "contiguous, got ", q.sizes(), " with strides ", q.strides());
+  const torch::Tensor q2 = heads ? q.view({q.size(0), -1}) : q;
+  check_rows(q2, "q");
   check_rows(k_cache, "k_cache");
   check_rows(v_cache, "v_cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must be contiguous "
               "[slots, Hkv * head_dim] views of the same shape");
   const int64_t B = q.size(0), D = head_dim, row = k_cache.size(1), S = k_cache.size(0);
-  TORCH_CHECK(D > 0 && row % D == 0 && q.size(1) % row == 0, "q [B, Hq*D] and the caches "
+  TORCH_CHECK(D > 0 && row % D == 0 && q2.size(1) % row == 0, "q [B, Hq*D] and the caches "
               "[slots, Hkv*D] must agree with head_dim ", D, " and Hq a multiple of Hkv");
-  const int64_t Hkv = row / D, Hq = q.size(1) / D, G = Hq / Hkv, L = max_kv_len;
+  const int64_t Hkv = row / D, Hq = q2.size(1) / D, G = Hq / Hkv, L = max_kv_len;
   const int64_t* slots = index_ptr(kv_slots, "kv_slots");
   const int64_t* lens = index_ptr(seq_lens, "seq_lens");
   TORCH_CHECK(seq_lens.size(0) == B && kv_slots.size(0) == B * L, "decode metadata must have "
@@ -32,19 +39,33 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const float* vc = v_cache.data_ptr<float>();
   auto o = torch::empty({B, Hq * D}, q.options());
   const float scale = 1.0f / std::sqrt((float)D);
-  const float* qp = q.data_ptr<float>();
+  const float* qp = q2.data_ptr<float>();
   float* op = o.data_ptr<float>();
-  const int64_t qs = q.stride(0);
+  const int64_t qs = q2.stride(0);
   // one task per (request, KV head): its G query heads read each key and value row once;
   // fewer than 8 tasks (one or two requests) are microseconds of work: the calling thread
   const int64_t tasks = B * Hkv;
-  split_rows(tasks, tasks < 8 ? tasks : 2, [&](int64_t lo, int64_t hi) {
+  split_rows(tasks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> p(G * L);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / Hkv, hk = task % Hkv, n = lens[b];
       const int64_t* sl = slots + b * L;
       const float* qh = qp + b * qs + hk * G * D;  // the G query heads of KV head hk
+      // A head's D floats of a slot are a few cache lines, one slot's row apart from the next
+      // slot's, and the weights streamed since the last step have pushed them out of every
+      // cache: ask for key and value rows kAhead slots before they are needed, so that their
+      // misses overlap instead of waiting one after another.
+      const auto fetch = [&](int64_t j) {
+        const int64_t at = sl[j] * row + hk * D;
+        for (int64_t d = 0; d < D; d += 16) {
+          __builtin_prefetch(kc + at + d, 0, 3);
+          __builtin_prefetch(vc + at + d, 0, 2);  // read after the softmax: L2 is enough
+        }
+      };
+      constexpr int64_t kAhead = 16;
+      for (int64_t j = 0; j < std::min(n, kAhead); ++j) fetch(j);
       for (int64_t j = 0; j < n; ++j) {
+        if (j + kAhead < n) fetch(j + kAhead);
         const float* kj = kc + sl[j] * row + hk * D;
         for (int64_t g = 0; g < G; ++g) p[g * L + j] = dot(qh + g * D, kj, D) * scale;
       }
@@ -61,29 +82,36 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
         for (; j < n; ++j) sum += (pg[j] = std::exp(pg[j] - m));
         for (j = 0; j < n; ++j) pg[j] /= sum;
       }
-      // o = sum_j p_j v_j, 8 vectors of o at a time kept in registers over all the keys
+      // o = sum_j p_j v_j: 4 vectors of o in registers over all the keys (a fixed count: with a
+      // count known only at run time, GCC kept the sums on the stack, a store and a load around
+      // every FMA), then single vectors, then the D % kLanes floats one by one
       float* oh = op + b * Hq * D + hk * G * D;
+      const float* vh = vc + hk * D;
       for (int64_t g = 0; g < G; ++g) {
         const float* pg = p.data() + g * L;
-        for (int64_t d0 = 0; d0 < D; d0 += 8 * kLanes) {
-          const int64_t nv = std::min<int64_t>(8, (D - d0) / kLanes);  // whole vectors here
-          vecf acc[8] = {};
-          for (int64_t j = 0; j < n; ++j) {
-            const float* vj = vc + sl[j] * row + hk * D + d0;
-            for (int64_t v = 0; v < nv; ++v) acc[v] += pg[j] * loadv(vj + v * kLanes);
-          }
-          std::memcpy(oh + g * D + d0, acc, nv * sizeof(vecf));
-          for (int64_t d = d0 + nv * kLanes; d < std::min(D, d0 + 8 * kLanes); ++d) {
-            float s = 0;  // D % kLanes tail
-            for (int64_t j = 0; j < n; ++j) s += pg[j] * vc[sl[j] * row + hk * D + d];
-            oh[g * D + d] = s;
-          }
+        int64_t d0 = 0;
+        for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) {
+          vecf acc[4] = {};
+          for (int64_t j = 0; j < n; ++j)
+            for (int v = 0; v < 4; ++v) acc[v] += pg[j] * loadv(vh + sl[j] * row + d0 + v * kLanes);
+          for (int v = 0; v < 4; ++v) storev(oh + g * D + d0 + v * kLanes, acc[v]);
+        }
+        for (; d0 + kLanes <= D; d0 += kLanes) {
+          vecf acc = {};
+          for (int64_t j = 0; j < n; ++j) acc += pg[j] * loadv(vh + sl[j] * row + d0);
+          storev(oh + g * D + d0, acc);
+        }
+        for (; d0 < D; ++d0) {
+          float s = 0;
+          for (int64_t j = 0; j < n; ++j) s += pg[j] * vh[sl[j] * row + d0];
+          oh[g * D + d0] = s;
         }
       }
     }
   });
-  return o;
+  return heads ? o.view({B, Hq, D}) : o;
 }
+// --- part 2: the pool's writer ---
 
 // The pool's store_kv (chapter 04's contract): row j of k and v into slot out_loc[j] of one
 // layer's caches. The torch code pays for views, an int64 copy of out_loc and two index_copy_

@@ -123,8 +123,8 @@ namespace {
 // rows x MV vectors of running sums, per k one load of each xt vector and one broadcast per
 // weight row, and no horizontal sum at the end. The tile above pays twice for many rows: with
 // AVX2's 16 registers its sums spill and each FMA reads x again (more loads than multiply-adds);
-// with AVX-512 each of its outputs ends in a horizontal sum, 16 lanes added one by one, next to
-// 36 FMAs for K = 576.
+// with AVX-512 each of its outputs ends in a horizontal sum of 16 lanes (hsum), next to 36 FMAs
+// for K = 576.
 constexpr int64_t kManyRows = 8;  // measured on AVX2 and on AVX-512 (chapter 07)
 
 template <int MV, int TR>

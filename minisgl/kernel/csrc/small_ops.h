@@ -1,4 +1,5 @@
-// Chapter 07 (07_stage1_milestone.ipynb): RMSNorm, add + RMSNorm, silu * up, RoPE, one pass each.
+// Chapter 07 (07_stage1_milestone.ipynb): RMSNorm, add + RMSNorm, silu * up, RoPE, one pass each;
+// then the greedy sampler's argmax.
 #pragma once
 #include "common.h"
 
@@ -63,14 +64,13 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return y;
 }
 
+// x, and x2 when given (k beside q: one call per layer; x2 must not overlap x), rotated in
+// place by each row's position
 void rope_inplace(torch::Tensor positions, torch::Tensor x, torch::Tensor cos_sin,
-                  int64_t head_size) {
-  check_rows(x, "x");
+                  int64_t head_size, std::optional<torch::Tensor> x2) {
   check_rows(cos_sin, "cos_sin_cache");
   TORCH_CHECK(cos_sin.is_contiguous() && cos_sin.size(1) == head_size,
               "cos_sin_cache must be contiguous [max_position, head_size=", head_size, "]");
-  TORCH_CHECK(head_size % 2 == 0 && x.size(1) % head_size == 0, "x's last dim (", x.size(1),
-              ") must be a multiple of the (even) head_size ", head_size);
   // the batch's positions are int32: read them as they are (no copy per layer)
   auto pos = positions.contiguous();
   TORCH_CHECK(pos.device().is_cpu() && pos.dim() == 1 &&
@@ -80,26 +80,83 @@ void rope_inplace(torch::Tensor positions, torch::Tensor x, torch::Tensor cos_si
   const int32_t* p32 = wide ? nullptr : pos.data_ptr<int32_t>();
   const int64_t* p64 = wide ? pos.data_ptr<int64_t>() : nullptr;
   auto position = [&](int64_t t) -> int64_t { return wide ? p64[t] : p32[t]; };
-  const int64_t T = x.size(0), H = x.size(1) / head_size, half = head_size / 2;
-  TORCH_CHECK(pos.size(0) == T, "positions has ", pos.size(0), " entries, x has ", T, " rows");
-  const int64_t P = cos_sin.size(0), xs = x.stride(0);
+  const int64_t T = pos.size(0), P = cos_sin.size(0), half = head_size / 2;
+  for (const torch::Tensor* t : {&x, x2.has_value() ? &*x2 : nullptr}) {
+    if (t == nullptr) continue;
+    const char* name = t == &x ? "x" : "x2";
+    check_rows(*t, name);
+    TORCH_CHECK(head_size % 2 == 0 && t->size(1) % head_size == 0, name, "'s last dim (",
+                t->size(1), ") must be a multiple of the (even) head_size ", head_size);
+    TORCH_CHECK(t->size(0) == T, "positions has ", T, " entries, ", name, " has ", t->size(0),
+                " rows");
+  }
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(position(t) >= 0 && position(t) < P, "position ", position(t),
                 " is outside the rope table (", P, " positions): raise max_position");
-  float* xp = x.data_ptr<float>();
   const float* cp = cos_sin.data_ptr<float>();
-  split_rows(T, kRowGrain, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const float* c = cp + position(t) * head_size;
-      const float* s = c + half;
-      for (int64_t h = 0; h < H; ++h) {
-        float* v = xp + t * xs + h * head_size;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = v[i], x2 = v[i + half];
-          v[i] = x1 * c[i] - x2 * s[i];
-          v[i + half] = x2 * c[i] + x1 * s[i];
+  for (const torch::Tensor* t : {&x, x2.has_value() ? &*x2 : nullptr}) {
+    if (t == nullptr) continue;
+    float* xp = t->data_ptr<float>();
+    const int64_t H = t->size(1) / head_size, xs = t->stride(0);
+    split_rows(T, kRowGrain, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const float* c = cp + position(r) * head_size;
+        const float* s = c + half;
+        for (int64_t h = 0; h < H; ++h) {
+          float* v = xp + r * xs + h * head_size;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = v[i], x2 = v[i + half];
+            v[i] = x1 * c[i] - x2 * s[i];
+            v[i + half] = x2 * c[i] + x1 * s[i];
+          }
         }
       }
+    });
+  }
+}
+// --- part 2: greedy sampling ---
+
+// Greedy sampling: the index of each row's largest logit, as torch.argmax gives it (the first
+// index on a tie; the first NaN when a row has one). One pass, a vector at a time: each lane
+// keeps its largest value and where it was (strictly larger replaces, so the earlier index
+// stays on a tie), then the lanes are compared. torch's argmax takes ~50 us per 49152-word row.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  check_rows(logits, "logits");
+  const int64_t B = logits.size(0), V = logits.size(1), ls = logits.stride(0);
+  TORCH_CHECK(V > 0 && V < (int64_t{1} << 31), "logits must have 1 to 2^31 - 1 columns, got ",
+              V);
+  auto out = torch::empty({B}, logits.options().dtype(torch::kInt64));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  split_rows(B, 2, [&](int64_t lo, int64_t hi) {  // a row is ~5 us: two rows per chunk
+    for (int64_t b = lo; b < hi; ++b) {
+      const float* r = lp + b * ls;
+      veci at = {}, idx = {}, nan = {};
+      for (int l = 0; l < kLanes; ++l) idx[l] = l;
+      vecf best = {};
+      best -= INFINITY;
+      int64_t j = 0;
+      for (; j + kLanes <= V; j += kLanes, idx += kLanes) {
+        const vecf v = loadv(r + j);
+        const veci larger = v > best;
+        best = larger ? v : best;
+        at = larger ? idx : at;
+        nan |= v != v;
+      }
+      float m = -INFINITY;
+      int64_t arg = -1, first_nan = -1;
+      for (int l = 0; l < kLanes; ++l)  // the lanes' winners: largest, then earliest
+        if (best[l] > m || (best[l] == m && at[l] < arg)) m = best[l], arg = at[l];
+      for (; j < V; ++j) {  // the V % kLanes tail, after every lane: later indices
+        if (r[j] != r[j] && first_nan < 0) first_nan = j;
+        if (r[j] > m) m = r[j], arg = j;
+      }
+      bool any_nan = first_nan >= 0;
+      for (int l = 0; l < kLanes; ++l) any_nan |= nan[l] != 0;
+      if (any_nan)  // rare: a damaged row; find the first NaN plainly
+        for (first_nan = 0; r[first_nan] == r[first_nan]; ++first_nan) {}
+      op[b] = any_nan ? first_nan : arg < 0 ? 0 : arg;  // arg < 0: every logit is -inf
     }
   });
+  return out;
 }
