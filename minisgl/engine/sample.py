@@ -11,8 +11,9 @@ refuses them for any other batch.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Tuple
+from typing import NamedTuple, Tuple
 
 import torch
 
