@@ -8,10 +8,11 @@ keeps the function its constructor found there, and the attention backend ``"cpp
 below) replaces decode attention:
 
 - ``RMSNormFused`` -> ``add_rmsnorm`` (``rmsnorm`` / ``fused_add_rmsnorm``: add + norm in one pass);
-- ``RotaryEmbedding`` -> ``rope`` (``rope_inplace``: q and k rotated in one pass);
+- ``RotaryEmbedding`` -> ``rope`` (``rope_inplace``: q and k rotated in one call);
 - ``GatedMLP``'s activation -> ``silu_and_mul``;
 - the linear ops and the LM head -> ``small_batch_linear`` (``linear``) for a decode's few rows;
 - the KV pool's ``store_kv`` -> ``store_kv`` (one row copy per token);
+- the ``Sampler``'s greedy path -> ``argmax`` (``argmax_rows``: ``torch.argmax``'s answer);
 - backend ``"cpp"``: prefill is chapter 05's ``TorchBackend``; decode stores k, v with the pool's
   ``store_kv`` (chapter 04), then calls ``decode_attention``.
 
