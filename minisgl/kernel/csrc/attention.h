@@ -42,8 +42,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const float* qp = q2.data_ptr<float>();
   float* op = o.data_ptr<float>();
   const int64_t qs = q2.stride(0);
-  // one task per (request, KV head): its G query heads read each key and value row once;
-  // fewer than 8 tasks (one or two requests) are microseconds of work: the calling thread
+  // one task per (request, KV head): its G query heads read each key and value row once; the
+  // tasks are handed out one at a time, so both threads work from the first request on
   const int64_t tasks = B * Hkv;
   split_rows(tasks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> p(G * L);
@@ -52,12 +52,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       const int64_t* sl = slots + b * L;
       const float* qh = qp + b * qs + hk * G * D;  // the G query heads of KV head hk
       // A head's D floats of a slot are a few cache lines, one slot's row apart from the next
-      // slot's, and the weights streamed since the last step have pushed them out of every
+      // slot's, and the weights streamed since the last layer have pushed them out of every
       // cache: ask for key and value rows kAhead slots before they are needed, so that their
       // misses overlap instead of waiting one after another.
       const auto fetch = [&](int64_t j) {
         const int64_t at = sl[j] * row + hk * D;
-        for (int64_t d = 0; d < D; d += 16) {
+        for (int64_t d = 0; d < D; d += 16) {  // 16 floats: one 64-byte cache line
           __builtin_prefetch(kc + at + d, 0, 3);
           __builtin_prefetch(vc + at + d, 0, 2);  // read after the softmax: L2 is enough
         }
