@@ -198,7 +198,8 @@ def test_cpp_backend_prefill_is_chapter_05s(kmod):
 
 
 # rows: 1 to 4 (one weight row at a time, 8 to 16 partial sums), 5..7 in tiles of 4 rows of x
-# plus a remainder, and from 8 rows x transposed, in 1 or 2 vectors, full or not; (N, K): whole
+# plus a remainder, and from 8 rows x transposed, in 1 or 2 vectors, full or not (8 rows in an
+# AVX-512 build: one 8-float vector, the half-width instantiation); (N, K): whole
 # tiles and 16-float chunks, short last tiles (N % 4, N % 12, N % 6), K below one vector, K with
 # whole blocks of 2 to 8 vectors, then single vectors, then a K % 16 tail (1077 = 1024 + 48 + 5,
 # a zero-padded vector), and SmolLM2's gate_up and LM-head-like widths
@@ -225,12 +226,14 @@ def test_work_split_over_threads_gives_the_same_bits(kmod, threads):
     results must equal one thread's bit for bit (a chunk lost or done twice would not)."""
     g = torch.Generator().manual_seed(5)
     x, w, b = torch.randn(4, 576, generator=g), torch.randn(3077, 576, generator=g), None
-    x1, x16 = torch.randn(1, 576, generator=g), torch.randn(16, 576, generator=g)  # each path
+    x1, x8 = torch.randn(1, 576, generator=g), torch.randn(8, 576, generator=g)  # each path
+    x16 = torch.randn(16, 576, generator=g)
     rows, weight = strided_rows(301, 576, seed=6), torch.randn(576, generator=g)
     gate_up = torch.randn(299, 2 * 96, generator=g)
 
     def run():
-        return [kmod.linear(x1, w, b), kmod.linear(x, w, b), kmod.linear(x16, w, b),
+        return [kmod.linear(x1, w, b), kmod.linear(x, w, b), kmod.linear(x8, w, b),
+                kmod.linear(x16, w, b),
                 kmod.rmsnorm(rows, weight, 1e-5),
                 kmod.silu_and_mul(gate_up)]
 

@@ -83,19 +83,20 @@ inline vecf loadv(const float* p) {
   return v;
 }
 inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
+// A vector of N floats, for code that needs another width than vecf's (N a power of two).
+template <int N>
+struct VecOf {
+  typedef float type __attribute__((vector_size(N * sizeof(float))));
+};
 // The sum of a vector's lanes, as a tree: the upper half added onto the lower until two lanes
 // are left (4 adds for 16 lanes). Added one by one, each of the 15 additions waits for the one
 // before; decode attention ends every score in such a sum, and took 1.35x as long with them.
 template <int N>
-struct HalfVec {
-  typedef float type __attribute__((vector_size(N * sizeof(float))));
-};
-template <int N>
-inline float tree_sum(typename HalfVec<N>::type v) {
+inline float tree_sum(typename VecOf<N>::type v) {
   if constexpr (N == 2) {
     return v[0] + v[1];
   } else {
-    typename HalfVec<N / 2>::type lo, hi;
+    typename VecOf<N / 2>::type lo, hi;
     std::memcpy(&lo, &v, sizeof(lo));
     std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
     return tree_sum<N / 2>(lo + hi);

@@ -127,30 +127,35 @@ namespace {
 // for K = 576.
 constexpr int64_t kManyRows = 8;  // measured on AVX2 and on AVX-512 (chapter 07)
 
-template <int MV, int TR>
+// The vectors here hold L floats: kLanes, except that an AVX-512 build takes 8-float vectors for
+// 8 rows or fewer. A 16-float vector would carry a zero for every row missing from 16, and a
+// zero costs what a row costs: Zen 4 runs a 16-float FMA as two 8-float halves, so 8 rows in
+// 16-float vectors took the time of 16 (chapter 07 measures it).
+template <int L, int MV, int TR>
 void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t pf, float* y,
                    int64_t ldy, int64_t M, int64_t nn, const float* bias) {
-  vecf acc[TR][MV] = {};
+  typedef typename VecOf<L>::type vec;
+  vec acc[TR][MV] = {};
   for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 floats: one cache line of each weight row
     for (int i = 0; i < TR; ++i) __builtin_prefetch(wr[i] + k0 + pf, 0, 1);  // into L2
     for (int64_t k = k0; k < std::min<int64_t>(K, k0 + 16); ++k) {
-      vecf xv[MV];
-      for (int v = 0; v < MV; ++v) xv[v] = loadv(xt + (k * MV + v) * kLanes);
+      vec xv[MV];
+      std::memcpy(xv, xt + k * MV * L, sizeof(xv));
       for (int i = 0; i < TR; ++i) {
         const float wk = wr[i][k];
         for (int v = 0; v < MV; ++v) acc[i][v] += wk * xv[v];
       }
     }
   }
-  for (int64_t i = 0; i < nn; ++i) {  // sum (i, v) lane l is y[v * kLanes + l, n0 + i]
-    float out[MV * kLanes];
+  for (int64_t i = 0; i < nn; ++i) {  // sum (i, v) lane l is y[v * L + l, n0 + i]
+    float out[MV * L];
     std::memcpy(out, acc[i], sizeof(out));
     for (int64_t m = 0; m < M; ++m) y[m * ldy + i] = bias ? out[m] + bias[i] : out[m];
   }
 }
 
 // Output features [lo, hi) for all M rows, TR weight rows at a time (as linear_rows above).
-template <int MV, int TR>
+template <int L, int MV, int TR>
 void linear_rows_t(const float* xt, int64_t M, const float* w, int64_t ldw, int64_t K,
                    const float* bias, float* y, int64_t N, int64_t lo, int64_t hi) {
   for (int64_t n0 = lo; n0 < hi; n0 += TR) {
@@ -158,28 +163,37 @@ void linear_rows_t(const float* xt, int64_t M, const float* w, int64_t ldw, int6
     const float* wr[TR];  // a short last tile repeats its last row (never stored)
     for (int i = 0; i < TR; ++i) wr[i] = w + (n0 + std::min<int64_t>(i, nn - 1)) * ldw;
     const int64_t pf = n0 + 2 * TR <= hi ? TR * ldw : 0;
-    linear_tile_t<MV, TR>(xt, wr, K, pf, y + n0, N, M, nn, bias ? bias + n0 : nullptr);
+    linear_tile_t<L, MV, TR>(xt, wr, K, pf, y + n0, N, M, nn, bias ? bias + n0 : nullptr);
   }
 }
 
-// x [M, K] (rows ldx apart) -> xt [K][mv * kLanes]: column k of x in mv vectors, zeros past M.
-std::vector<float> transpose_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int mv) {
-  std::vector<float> xt(K * mv * kLanes, 0.0f);
+// x [M, K] (rows ldx apart) -> xt [K, width]: column k of x, zeros past row M. A torch tensor:
+// its memory starts on a 64-byte line, so no vector load of xt straddles two cache lines.
+torch::Tensor transpose_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t width) {
+  torch::Tensor xt = torch::zeros({K, width}, torch::kFloat32);
+  float* t = xt.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xt[k * mv * kLanes + m] = x[m * ldx + k];
+    for (int64_t k = 0; k < K; ++k) t[k * width + m] = x[m * ldx + k];
   return xt;
 }
 
-// The rows [lo, hi) of y from xt: 12 sums a tile whatever mv is (12 of AVX2's 16 registers;
-// the others hold x and a broadcast).
+// The vector width for M rows: 8 floats for up to 8 rows in an AVX-512 build, else kLanes.
+int64_t lanes_for_rows(int64_t M) { return kLanes == 16 && M <= 8 ? 8 : kLanes; }
+
+// The rows [lo, hi) of y from xt (L = lanes_for_rows(M) floats a vector, mv vectors a column):
+// 12 sums a tile whatever mv is (12 of AVX2's 16 registers; the others hold x and a broadcast).
 void linear_rows_many(const float* xt, int mv, int64_t M, const float* w, int64_t ldw,
                       int64_t K, const float* bias, float* y, int64_t N, int64_t lo,
                       int64_t hi) {
+  if constexpr (kLanes == 16) {
+    if (lanes_for_rows(M) == 8)
+      return linear_rows_t<8, 1, 12>(xt, M, w, ldw, K, bias, y, N, lo, hi);
+  }
   switch (mv) {
-    case 1: linear_rows_t<1, 12>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
-    case 2: linear_rows_t<2, 6>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
-    case 3: linear_rows_t<3, 4>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
-    default: linear_rows_t<4, 3>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
+    case 1: linear_rows_t<kLanes, 1, 12>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
+    case 2: linear_rows_t<kLanes, 2, 6>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
+    case 3: linear_rows_t<kLanes, 3, 4>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
+    default: linear_rows_t<kLanes, 4, 3>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
   }
 }
 
@@ -280,9 +294,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   record_call(wp, ((N - 1) * ldw + K) * 4);
   const ReadAhead ahead = plan_read_ahead(wp);
   if (M >= kManyRows && M <= 4 * kLanes) {  // part 2
-    const int mv = (int)((M + kLanes - 1) / kLanes);
-    const std::vector<float> xt = transpose_rows(xp, ldx, M, K, mv);
-    const float* xtp = xt.data();
+    const int64_t lanes = lanes_for_rows(M);
+    const int mv = (int)((M + lanes - 1) / lanes);
+    const torch::Tensor xt = transpose_rows(xp, ldx, M, K, mv * lanes);
+    const float* xtp = xt.data_ptr<float>();
     workers().run(N, std::max<int64_t>(1, rows / 12) * 12, [&](int64_t lo, int64_t hi) {
       linear_rows_many(xtp, mv, M, wp, ldw, K, bp, yp, N, lo, hi);
     }, ahead);
