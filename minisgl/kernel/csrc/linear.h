@@ -168,10 +168,13 @@ void linear_rows_t(const float* xt, int64_t M, const float* w, int64_t ldw, int6
 }
 
 // x [M, K] (rows ldx apart) -> xt [K, width]: column k of x, zeros past row M. A torch tensor:
-// its memory starts on a 64-byte line, so no vector load of xt straddles two cache lines.
+// its memory starts on a 64-byte line, so no vector load of xt straddles two cache lines. It
+// is zeroed here, on this thread: torch::zeros may start torch's own OpenMP threads, which
+// would then spin beside the kernels' workers.
 torch::Tensor transpose_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t width) {
-  torch::Tensor xt = torch::zeros({K, width}, torch::kFloat32);
+  torch::Tensor xt = torch::empty({K, width}, torch::kFloat32);
   float* t = xt.data_ptr<float>();
+  std::memset(t, 0, K * width * sizeof(float));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) t[k * width + m] = x[m * ldx + k];
   return xt;
