@@ -183,14 +183,13 @@ torch::Tensor transpose_rows(const float* x, int64_t ldx, int64_t M, int64_t K, 
 // The vector width for M rows: 8 floats for up to 8 rows in an AVX-512 build, else kLanes.
 int64_t lanes_for_rows(int64_t M) { return kLanes == 16 && M <= 8 ? 8 : kLanes; }
 
-// The rows [lo, hi) of y from xt (L = lanes_for_rows(M) floats a vector, mv vectors a column):
-// 12 sums a tile whatever mv is (12 of AVX2's 16 registers; the others hold x and a broadcast).
-void linear_rows_many(const float* xt, int mv, int64_t M, const float* w, int64_t ldw,
-                      int64_t K, const float* bias, float* y, int64_t N, int64_t lo,
-                      int64_t hi) {
+// The rows [lo, hi) of y from xt (`lanes` floats a vector, mv vectors a column): 12 sums a
+// tile whatever mv is (12 of AVX2's 16 registers; the others hold x and a broadcast).
+void linear_rows_many(const float* xt, int64_t lanes, int mv, int64_t M, const float* w,
+                      int64_t ldw, int64_t K, const float* bias, float* y, int64_t N,
+                      int64_t lo, int64_t hi) {
   if constexpr (kLanes == 16) {
-    if (lanes_for_rows(M) == 8)
-      return linear_rows_t<8, 1, 12>(xt, M, w, ldw, K, bias, y, N, lo, hi);
+    if (lanes == 8) return linear_rows_t<8, 1, 12>(xt, M, w, ldw, K, bias, y, N, lo, hi);
   }
   switch (mv) {
     case 1: linear_rows_t<kLanes, 1, 12>(xt, M, w, ldw, K, bias, y, N, lo, hi); break;
@@ -302,7 +301,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     const torch::Tensor xt = transpose_rows(xp, ldx, M, K, mv * lanes);
     const float* xtp = xt.data_ptr<float>();
     workers().run(N, std::max<int64_t>(1, rows / 12) * 12, [&](int64_t lo, int64_t hi) {
-      linear_rows_many(xtp, mv, M, wp, ldw, K, bp, yp, N, lo, hi);
+      linear_rows_many(xtp, lanes, mv, M, wp, ldw, K, bp, yp, N, lo, hi);
     }, ahead);
     return y;
   }
