@@ -1,10 +1,10 @@
-"""The step's Python with hot and with cold caches: why the rest of a kernels' step is not 0.6 ms.
+"""The step's Python with hot and with cold caches, and a step whose model runs without its Python.
 
 At batch 1 with ``cpu_kernels=True`` a decode step spends about 2.5 ms outside its 121 matmuls
 (``bench_step_parts.py``): norms, rope, attention, sampling, and the Python around them (the
 layers' ops and views, metadata, checks, the milestone's ``step()``). This benchmark separates
-that Python from the kernels' own work. One Engine, the milestone's step at batch 1, three ways,
-interleaved round by round:
+that Python from the kernels' own work. One Engine, the milestone's step at batch 1 (``--batch``
+for another), four ways, interleaved round by round:
 
 - **kernels**: the Engine as built; the time inside ``linear`` calls is measured.
 - **stand-ins, caches hot**: every C++ kernel the step calls is replaced, on this Engine only,
@@ -17,16 +17,31 @@ interleaved round by round:
   out, so the same Python is measured after the caches were emptied, as in a real step. (The
   reading runs on torch's threads, whose spinning after it is part of what is measured, as the
   kernels' workers spin after a real matmul.)
+- **replayed**: what a recorded step would cost (the CPU counterpart of chapter 06's CUDA graph).
+  Once, the kernel calls of one decode step's ``model.forward`` are recorded (each with the
+  tensors it got); then in every step the model's ``forward`` is replaced, on this Engine only,
+  by a loop that makes the same calls back to back and returns the recorded logits. The rest
+  of the step (metadata, checks, sampling, the milestone's ``step()``) runs as it is. The
+  kernels do the recorded step's work (the same weights, the same key slots), so the time is
+  the real one; only the tokens are meaningless. The loop's own Python (one call per kernel)
+  is counted: a replay driven from C++ would cost less.
 
 The stand-ins' tokens are meaningless (they are not compared); each configuration gets fresh
 requests. "Outside the matmuls" is the step less the time inside ``linear`` calls (the kernel,
 or the stand-in and its reading). Medians over the steps of all rounds.
 
-    python benchmarks/bench_python_floor.py [--rounds 3] [--steps 32] [--threads N] [--no-readme]
+The replayed step shows what removing the model's Python would buy, and what it would not: the
+gaps between the matmuls were also time in which memory could work ahead (the hardware's
+prefetchers, the workers' read-ahead), so the matmuls back to back take longer than inside a
+real step.
+
+    python benchmarks/bench_python_floor.py [--batch 1] [--rounds 3] [--steps 32] [--threads N]
+                                            [--no-readme]
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -41,7 +56,8 @@ from benchmarks.measure import PROMPTS, bench_parser, header, run_and_record
 
 MODES = {"kernels": "the kernels (`cpu_kernels=True`)",
          "hot": "stand-ins, caches hot",
-         "cold": "stand-ins, caches cold (each matmul's bytes read, not counted)"}
+         "cold": "stand-ins, caches cold (each matmul's bytes read, not counted)",
+         "replayed": "the kernels, the model's calls replayed back to back (no layer Python)"}
 
 
 # What each stand-in returns, by kernel name: (key of its preallocated output, its shape from
@@ -66,7 +82,8 @@ class StandIns:
         self.inside = 0.0  # seconds inside linear calls since the last reset
         self.read = 0.0  # of which reading the stream (cold mode)
         self._outs: dict = {}
-        if mode != "kernels":  # made once: a stand-in costs one Python call, as little as can be
+        self.recorded: list | None = None  # set: every kernel call goes here as (name, args)
+        if mode in ("hot", "cold"):  # made once: a stand-in costs one Python call, as little as can be
             for name, spec in STAND_INS.items():
                 setattr(self, name, self._stand_in(spec))
 
@@ -83,12 +100,22 @@ class StandIns:
         return t
 
     def __getattr__(self, name):  # not a stand-in (nor linear): the real module's
-        return getattr(self.real, name)
+        f = getattr(self.real, name)
+        if self.mode != "replayed":
+            return f
+
+        def recorded(*args):
+            if self.recorded is not None:
+                self.recorded.append((name, args))
+            return f(*args)
+        return recorded
 
     def linear(self, x, w, bias=None):
         t0 = time.perf_counter()
         try:
-            if self.mode == "kernels":
+            if self.mode in ("kernels", "replayed"):
+                if self.recorded is not None:
+                    self.recorded.append(("linear", (x, w, bias)))
                 return self.real.linear(x, w, bias)
             if self.mode == "cold":
                 n = w.numel()
@@ -103,10 +130,45 @@ class StandIns:
             self.inside += time.perf_counter() - t0
 
 
-def timed_steps(runner, proxy: StandIns, steps: int, warmup: int = 4) -> list[tuple]:
+def replay_model(runner, proxy: StandIns, reqs) -> None:
+    """Record the kernel calls of one decode step's ``model.forward``; from then on the model's
+    ``forward`` (this Engine's only) makes those calls back to back and returns the recorded
+    logits (``restore_model`` undoes it)."""
+    model = runner.engine.model
+    forward = model.forward
+
+    def recording():
+        proxy.recorded = []
+        try:
+            logits = forward()
+        finally:
+            calls, proxy.recorded = proxy.recorded, None
+        name, _ = calls[-1]
+        assert name == "linear", f"the model's last kernel call was {name}, not the LM head's"
+        plan = [(proxy.linear if n == "linear" else getattr(proxy.real, n), args)
+                for n, args in calls]
+
+        def replayed():
+            for f, args in plan:
+                f(*args)
+            return logits  # the LM head's output of the recorded step
+        model.forward = replayed
+        return logits
+
+    model.forward = recording
+    runner.step(reqs, "decode")
+
+
+def restore_model(runner) -> None:
+    vars(runner.engine.model).pop("forward", None)
+
+
+def timed_steps(runner, proxy: StandIns, batch: int, steps: int, warmup: int = 4) -> list[tuple]:
     """(step seconds, seconds outside linear, seconds reading the stream) per decode step."""
-    reqs = runner.make_reqs([PROMPTS[0]], steps + warmup + 1)
+    reqs = runner.make_reqs([PROMPTS[i % len(PROMPTS)] for i in range(batch)], steps + warmup + 2)
     runner.step(reqs, "prefill")
+    if proxy.mode == "replayed":
+        replay_model(runner, proxy, reqs)
     out = []
     for i in range(steps + warmup):
         proxy.inside = proxy.read = 0.0
@@ -118,7 +180,8 @@ def timed_steps(runner, proxy: StandIns, steps: int, warmup: int = 4) -> list[tu
     return out
 
 
-def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -> str:
+def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
+        batch: int = 1) -> str:
     from transformers import AutoTokenizer
 
     from minisgl import kernel
@@ -139,9 +202,10 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
                 proxy = StandIns(real, mode, stream)
                 kernel._MODULE = engine.attn_backend._module = proxy
                 try:
-                    res[mode] += timed_steps(runner, proxy, steps)
+                    res[mode] += timed_steps(runner, proxy, batch, steps)
                 finally:
                     kernel._MODULE = engine.attn_backend._module = real
+                    restore_model(runner)
         threads = torch.get_num_threads()
     finally:
         engines.close()
@@ -150,7 +214,7 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
         return statistics.median(s[i] for s in res[mode]) * 1e3
 
     lines = [
-        (f"{header(model_path, 'float32', threads)}; batch 1; medians of {rounds} interleaved "
+        (f"{header(model_path, 'float32', threads)}; batch {batch}; medians of {rounds} interleaved "
          f"rounds x {steps} steps; load average before / after {load_before:.1f} / "
          f"{os.getloadavg()[0]:.1f}."),
         "",
@@ -160,14 +224,24 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
     for mode, label in MODES.items():
         lines.append(f"| {label} | {med(mode, 0):.2f} | {med(mode, 1):.2f} |")
     hot, cold, real_rest = med("hot", 1), med("cold", 1), med("kernels", 1)
+    step, rstep, rrest = med("kernels", 0), med("replayed", 0), med("replayed", 1)
     lines += ["", (f"The same Python took {cold / hot:.2f}x as long after the caches were "
                    f"emptied as with them warm ({cold:.2f} against {hot:.2f} ms); with the real "
-                   f"kernels everything outside the matmuls took {real_rest:.2f} ms.")]
+                   f"kernels everything outside the matmuls took {real_rest:.2f} ms."),
+              "", (f"With the model's kernel calls replayed back to back, the time outside the "
+                   f"matmuls fell from {real_rest:.2f} to {rrest:.2f} ms, and the matmuls took "
+                   f"{rstep - rrest:.2f} ms against {step - real_rest:.2f}: the step "
+                   f"{rstep:.2f} against {step:.2f} ms ({rstep / step:.2f}x).")]
     return "\n".join(lines)
 
 
 def main() -> None:
-    run_and_record(bench_parser(__doc__).parse_args(), run, "BENCH_PYFLOOR",
+    ap = bench_parser(__doc__)
+    ap.add_argument("--batch", type=int, default=1, help="requests per decode step (default 1)")
+    args = ap.parse_args()
+    if args.batch < 1:
+        ap.error(f"--batch must be at least 1, got {args.batch}")
+    run_and_record(args, functools.partial(run, batch=args.batch), "BENCH_PYFLOOR",
                    "The step's Python, hot and cold (`bench_python_floor.py`)")
 
 
