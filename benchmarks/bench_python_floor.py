@@ -83,7 +83,7 @@ class StandIns:
         self.read = 0.0  # of which reading the stream (cold mode)
         self._outs: dict = {}
         self.recorded: list | None = None  # set: every kernel call goes here as (name, args)
-        if mode in ("hot", "cold"):  # made once: a stand-in costs one Python call, as little as can be
+        if mode in ("hot", "cold"):  # made once: a stand-in costs one Python call, no more
             for name, spec in STAND_INS.items():
                 setattr(self, name, self._stand_in(spec))
 
@@ -101,7 +101,7 @@ class StandIns:
 
     def __getattr__(self, name):  # not a stand-in (nor linear): the real module's
         f = getattr(self.real, name)
-        if self.mode != "replayed":
+        if self.recorded is None:  # recording only during replay_model's one step
             return f
 
         def recorded(*args):
@@ -143,8 +143,9 @@ def replay_model(runner, proxy: StandIns, reqs) -> None:
             logits = forward()
         finally:
             calls, proxy.recorded = proxy.recorded, None
-        name, _ = calls[-1]
-        assert name == "linear", f"the model's last kernel call was {name}, not the LM head's"
+        if not calls or calls[-1][0] != "linear":
+            raise RuntimeError("the replayed mode expects the model's last kernel call to be the "
+                               "LM head's linear; run it with cpu_kernels=True on a decoder model")
         plan = [(proxy.linear if n == "linear" else getattr(proxy.real, n), args)
                 for n, args in calls]
 
@@ -163,7 +164,8 @@ def restore_model(runner) -> None:
     vars(runner.engine.model).pop("forward", None)
 
 
-def timed_steps(runner, proxy: StandIns, batch: int, steps: int, warmup: int = 4) -> list[tuple]:
+def timed_steps(runner, proxy: StandIns, batch: int, steps: int,
+                warmup: int = 4) -> list[tuple]:
     """(step seconds, seconds outside linear, seconds reading the stream) per decode step."""
     reqs = runner.make_reqs([PROMPTS[i % len(PROMPTS)] for i in range(batch)], steps + warmup + 2)
     runner.step(reqs, "prefill")
@@ -214,8 +216,8 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
         return statistics.median(s[i] for s in res[mode]) * 1e3
 
     lines = [
-        (f"{header(model_path, 'float32', threads)}; batch {batch}; medians of {rounds} interleaved "
-         f"rounds x {steps} steps; load average before / after {load_before:.1f} / "
+        (f"{header(model_path, 'float32', threads)}; batch {batch}; medians of {rounds} "
+         f"interleaved rounds x {steps} steps; load average before / after {load_before:.1f} / "
          f"{os.getloadavg()[0]:.1f}."),
         "",
         "| the step's kernels | the step (ms) | outside the matmuls (ms) |",
