@@ -517,6 +517,314 @@ def test_store_kv_kernel_equals_the_pools_code(kmod, page_size, t, dtype):
     assert torch.equal(mine._kv_buffer, fused._kv_buffer), "a refused store wrote something"
 
 
+# ----------------------------------------------------------------------------- generated inputs
+# The grids above list chosen cases; here Hypothesis draws the rest of each input class against
+# float64 references written in plain torch: every row count from 1 to 70 through `linear`'s
+# paths (and the boundaries between them), widths ending in every tail of a vector, strided
+# views, 1 to 3 threads; for the small ops any width and position; for attention the page size,
+# head size, GQA group, ragged lengths and padding dummies.
+def _generated(n: int):
+    from hypothesis import HealthCheck, settings
+
+    return settings(max_examples=n, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=list(HealthCheck))
+
+
+class _Threads:
+    """``torch.set_num_threads(n)`` for a block (the kernels' workers follow it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.old = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.old)
+
+
+def _width(vectors: int, tails: int = 16):
+    """Widths of 1 to ``vectors`` whole 16-float vectors plus any tail: every remainder a
+    vectorised loop can leave is as likely as any other (and a width of 0 never comes)."""
+    from hypothesis import strategies as st
+
+    return st.builds(lambda q, r: q * 16 + r, st.integers(0, vectors),
+                     st.integers(0, tails - 1)).filter(lambda w: w > 0)
+
+
+def _rows(g, t: int, width: int, offset: int) -> torch.Tensor:
+    """``[t, width]``: contiguous when ``offset`` is 0, else a view into wider rows."""
+    if offset == 0:
+        return torch.randn(t, width, generator=g)
+    return torch.randn(t, width + offset + 2, generator=g)[:, offset: offset + width]
+
+
+def test_linear_on_every_remainder(kmod):
+    """Every combination of the classes a tiled, vectorised loop can get wrong: each row count
+    from 1 to 16 (and some beyond), output features ending in each remainder of a 12-row tile
+    (and so of 4 and 6), K ending in each remainder of a 16-float vector after 0, 1, 4 or 67
+    whole vectors (67: several chunks per thread), with and without bias, x contiguous or
+    strided, one thread or two."""
+    g = torch.Generator().manual_seed(0)
+    failures = []
+    for m in [*range(1, 17), 17, 33, 64, 70]:
+        for rn in range(1, 13):
+            for rk in range(16):
+                case = m + rn + rk
+                k = 16 * (0, 1, 4, 67)[case % 4] + rk
+                if k == 0:
+                    k = 16 * 67
+                n = 24 + rn
+                x = _rows(g, m, k, case % 3)
+                w = torch.randn(n, k, generator=g)
+                b = torch.randn(n, generator=g) if case % 2 else None
+                want = x.double() @ w.double().T + (b.double() if b is not None else 0)
+                with _Threads(1 + case % 2):
+                    y = kmod.linear(x, w, b)
+                err = (y.double() - want).abs().max().item()
+                if err > 1e-4 * (1 + want.abs().max().item()):
+                    failures.append(f"{m}x{k} @ {n}x{k} bias={b is not None}: {err:.1e}")
+    assert not failures, (f"linear is off float64 in {len(failures)} cases, e.g. "
+                          + "; ".join(failures[:6]))
+
+
+def test_small_ops_on_every_remainder(kmod):
+    """rmsnorm, add + rmsnorm and silu * up on widths ending in each remainder of a 16-float
+    vector (after 0, 1 and 36 whole vectors), 1 or 5 rows, strided or not, 1 or 2 threads."""
+    g = torch.Generator().manual_seed(1)
+    failures = []
+    for h in [*range(1, 33), *range(576, 592)]:
+        for t, off, threads in [(1, 0, 1), (5, 2, 2)]:
+            x, r, w = _rows(g, t, h, off), _rows(g, t, h, 1), torch.randn(h, generator=g)
+            gu = _rows(g, t, 2 * h, off)
+            s = x + r
+
+            def norm64(a, w=w):
+                a = a.double()
+                return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+
+            with _Threads(threads):
+                got = [kmod.rmsnorm(x, w, 1e-5), kmod.fused_add_rmsnorm(x, r, w, 1e-5),
+                       kmod.silu_and_mul(gu)]
+            wants = [norm64(x), norm64(s), F.silu(gu[:, :h].double()) * gu[:, h:].double()]
+            for name, y, want in zip(["rmsnorm", "fused_add_rmsnorm", "silu_and_mul"], got,
+                                     wants):
+                if (y.double() - want).abs().max() > 2e-5 * (1 + want.abs().max()):
+                    failures.append(f"{name}, {t} rows of {h}")
+            if not torch.equal(r, s):
+                failures.append(f"fused_add_rmsnorm's residual, {t} rows of {h}")
+    assert not failures, f"{len(failures)} cases off float64, e.g. " + "; ".join(failures[:6])
+
+
+def test_linear_on_generated_shapes(kmod):
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    # every row count of a decode batch (1-16) equally likely, a few beyond (the C++ function
+    # takes any M; a build with narrower vectors uses those paths for 9-16 rows); output
+    # features in whole tiles of 12 plus any remainder; K as in _width, or a model's width
+    @_generated(400)
+    @given(m=st.sampled_from([*range(1, 17), 17, 24, 31, 32, 33, 48, 64, 65, 70]),
+           n=st.one_of(st.builds(lambda q, r: 12 * q + r, st.integers(0, 10),
+                                 st.integers(1, 12)), st.sampled_from([577, 960])),
+           k=st.one_of(_width(20), st.sampled_from([576, 1077, 1536])),
+           x_off=st.integers(0, 3), w_extra=st.integers(0, 3), bias=st.booleans(),
+           threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+    def check(m, n, k, x_off, w_extra, bias, threads, seed):
+        g = torch.Generator().manual_seed(seed)
+        x = _rows(g, m, k, x_off)
+        w = torch.randn(n, k + w_extra, generator=g)[:, :k]
+        b = torch.randn(n, generator=g) if bias else None
+        want = x.double() @ w.double().T + (b.double() if bias else 0)
+        with _Threads(threads):
+            y = kmod.linear(x, w, b)
+        assert y.shape == (m, n) and y.is_contiguous(), f"linear gave {tuple(y.shape)}"
+        err = (y.double() - want).abs()
+        bad = err > 1e-4 * (1 + want.abs().max().item())
+        assert not bad.any(), (
+            f"linear({m}x{k} @ {n}x{k}, bias={bias}, x {'strided' if x_off else 'contiguous'},"
+            f" {threads} threads): {int(bad.sum())} of {m * n} outputs off float64, first at "
+            f"(row, feature) {tuple(bad.nonzero()[0].tolist())}, max error {err.max():.2e}")
+
+    check()
+
+
+def test_norms_and_silu_on_generated_rows(kmod):
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @_generated(400)
+    @given(t=st.integers(1, 40), h=st.one_of(_width(12), st.sampled_from([576, 896])),
+           x_off=st.integers(0, 3), r_off=st.integers(0, 3),
+           eps=st.sampled_from([1e-6, 1e-5, 0.5]), scale=st.sampled_from([1e-3, 1.0, 40.0]),
+           threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+    def check(t, h, x_off, r_off, eps, scale, threads, seed):
+        g = torch.Generator().manual_seed(seed)
+        x, r = _rows(g, t, h, x_off) * scale, _rows(g, t, h, r_off) * scale
+        w = torch.randn(h, generator=g)
+        r0, s = r.clone(), x + r  # the residual stream after the add, in float32
+
+        def norm64(a):
+            a = a.double()
+            return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+        gu = _rows(g, t, 2 * h, x_off) * 4
+        silu64 = F.silu(gu[:, :h].double()) * gu[:, h:].double()
+        with _Threads(threads):
+            y_plain = kmod.rmsnorm(x, w, eps)
+            y_fused = kmod.fused_add_rmsnorm(x, r, w, eps)
+            y_silu = kmod.silu_and_mul(gu)
+        what = f"{t} rows of {h} (x {'strided' if x_off else 'contiguous'}, {threads} threads)"
+        for name, got, want in [("rmsnorm", y_plain, norm64(x)),
+                                ("fused_add_rmsnorm", y_fused, norm64(s)),
+                                ("silu_and_mul", y_silu, silu64)]:
+            err = (got.double() - want).abs().max().item()
+            assert got.shape == want.shape and err < 2e-5 * (1 + want.abs().max().item()), (
+                f"{name} on {what} is {err:.2e} off float64")
+        assert torch.equal(r, s), f"fused_add_rmsnorm must leave x + residual in residual: {what}"
+        assert not torch.equal(r, r0) or not x.any()
+
+    check()
+
+
+def test_rope_on_generated_heads(kmod):
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @_generated(150)
+    @given(d=st.sampled_from([2, 4, 8, 16, 24, 32, 64, 80, 128]), hq=st.integers(1, 6),
+           hkv=st.integers(1, 3), t=st.integers(1, 20), max_pos=st.integers(1, 64),
+           wide=st.booleans(), layout=st.sampled_from(["fused", "separate", "q-only"]),
+           threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+    def check(d, hq, hkv, t, max_pos, wide, layout, threads, seed):
+        g = torch.Generator().manual_seed(seed)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv
+        cos_sin = torch.cat([ang.cos(), ang.sin()], dim=-1).float()  # [max_pos, d]
+        pos = torch.randint(0, max_pos, (t,), generator=g)
+        pos = pos if wide else pos.int()
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+        if layout == "fused":
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        else:
+            q, k, v = (qkv[:, : hq * d].clone(), qkv[:, hq * d: (hq + hkv) * d].clone(),
+                       qkv[:, (hq + hkv) * d:])
+        q0, k0, v0 = q.clone(), k.clone(), v.clone()
+
+        def rot64(a, heads):
+            a = a.double().view(t, heads, d)
+            c = cos_sin[pos.long(), : d // 2].double()[:, None]
+            s = cos_sin[pos.long(), d // 2:].double()[:, None]
+            a1, a2 = a[..., : d // 2], a[..., d // 2:]
+            return torch.cat([a1 * c - a2 * s, a2 * c + a1 * s], dim=-1).view(t, heads * d)
+
+        with _Threads(threads):
+            kmod.rope_inplace(pos, q, cos_sin, d, None if layout == "q-only" else k)
+        what = f"rope: {t} rows, Hq={hq}, Hkv={hkv}, head_size {d}, {layout}, {threads} threads"
+        for name, got, want in [("q", q, rot64(q0, hq)),
+                                ("k", k, k0.double() if layout == "q-only" else rot64(k0, hkv))]:
+            err = (got.double() - want).abs().max().item()
+            assert err < 1e-5 * (1 + want.abs().max().item()), f"{what}: {name} {err:.2e} off"
+        assert torch.equal(v, v0), f"{what}: v changed"
+
+    check()
+
+
+def test_store_kv_on_generated_slots(kmod):
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @_generated(120)
+    @given(hkv=st.integers(1, 4), d=st.sampled_from([1, 3, 8, 16, 64]),
+           slots=st.integers(1, 40), data=st.data(), wide=st.booleans(),
+           layout=st.sampled_from(["contiguous", "fused", "apart"]), seed=st.integers(0, 2**16))
+    def check(hkv, d, slots, data, wide, layout, seed):
+        g = torch.Generator().manual_seed(seed)
+        t = data.draw(st.integers(1, slots))
+        k_cache, v_cache = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d)
+        row = hkv * d
+        if layout == "fused":  # views of a fused projection's rows: one stride for both
+            qkv = torch.randn(t, 4 * row, generator=g)
+            k, v = qkv[:, row: 2 * row], qkv[:, 2 * row: 3 * row]
+        elif layout == "apart":  # k and v strided differently: each must use its own stride
+            k = torch.randn(t, 3 * row, generator=g)[:, row: 2 * row]
+            v = torch.randn(t, row, generator=g)
+        else:
+            k, v = torch.randn(t, row, generator=g), torch.randn(t, row, generator=g)
+        out_loc = torch.randperm(slots, generator=g)[:t]
+        out_loc = out_loc if wide else out_loc.int()
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        want_k.view(slots, row)[out_loc.long()] = k
+        want_v.view(slots, row)[out_loc.long()] = v
+        kmod.store_kv(k_cache, v_cache, k, v, out_loc)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), (
+            f"store_kv of {t} rows (Hkv={hkv}, D={d}) into {slots} slots "
+            f"({'int64' if wide else 'int32'} out_loc, k and v {layout}: strides "
+            f"{k.stride(0)} and {v.stride(0)})")
+
+    check()
+
+
+def test_cpp_backend_decode_on_generated_batches(kmod):
+    """Through chapter 05's harness, as the grid above: float64 dense attention per request."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+    from test_ch05_attention import make_env, run_and_compare
+
+    # head sizes: below a vector, whole vectors, a vector plus a tail, blocks of 4 vectors
+    # with and without single vectors and a tail after them
+    @_generated(80)
+    @given(lengths=st.lists(st.integers(1, 44), min_size=1, max_size=5),
+           heads=st.sampled_from([(1, 1), (2, 1), (3, 3), (4, 2), (6, 2), (8, 1), (9, 3)]),
+           d=st.sampled_from([1, 4, 16, 24, 40, 64, 80, 100, 128]), ps=st.sampled_from([1, 2, 3, 4, 16]),
+           n_dummy=st.integers(0, 1), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+    def check(lengths, heads, d, ps, n_dummy, threads, seed):
+        from minisgl.core import reset_global_ctx
+        from minisgl.distributed import reset_tp_info
+
+        (hq, hkv) = heads
+        reset_tp_info()  # each example builds its own environment
+        reset_global_ctx()
+        env = make_env(hq, hkv, d, ps=ps, seed=seed, backend="cpp")
+        batch = env.make_batch([env.add_req(n - 1, n) for n in lengths], "decode",
+                               n_dummy=n_dummy)
+        with _Threads(threads):
+            run_and_compare(env, batch, what=f"the 'cpp' backend's decode kernel, lengths "
+                            f"{lengths}, Hq={hq}, Hkv={hkv}, head_dim {d}, page size {ps}, "
+                            f"{n_dummy} dummies, {threads} threads")
+
+    check()
+
+
+def test_extreme_values_in_silu_and_attention(kmod):
+    """Values far outside randn's range, where a fast exp must still saturate properly: gates
+    of +-300 (silu(g) is g or 0, never NaN) and attention scores hundreds apart (the softmax
+    is one-hot, not NaN or a uniform average), against float64."""
+    g = torch.Generator().manual_seed(7)
+    for h in (15, 64, 100):
+        gu = torch.rand(3, 2 * h, generator=g) * 600 - 300
+        want = F.silu(gu[:, :h].double()) * gu[:, h:].double()
+        got = kmod.silu_and_mul(gu).double()
+        err = (got - want).abs().max().item()
+        assert err < 1e-5 * (1 + want.abs().max().item()), f"silu_and_mul, gates +-300: {err:.2e}"
+    hkv, G, D, L, lens = 2, 2, 24, 40, [40, 17, 33]
+    B, S = len(lens), 128
+    k_cache, v_cache = torch.randn(S, hkv * D, generator=g), torch.randn(S, hkv * D, generator=g)
+    slots = torch.stack([torch.randperm(S, generator=g)[:L] for _ in lens])
+    for q_scale in (1.0, 60.0):  # 60: scores hundreds apart
+        q = torch.randn(B, hkv * G * D, generator=g) * q_scale
+        got = kmod.decode_attention(q, k_cache, v_cache, slots.reshape(-1), torch.tensor(lens),
+                                    L, D).double()
+        for b, n in enumerate(lens):
+            kb = k_cache[slots[b, :n]].double().view(n, hkv, D)
+            vb = v_cache[slots[b, :n]].double().view(n, hkv, D)
+            qb = q[b].double().view(hkv, G, D)
+            p = torch.softmax(torch.einsum("hgd,nhd->hgn", qb, kb) / D ** 0.5, dim=-1)
+            want = torch.einsum("hgn,nhd->hgd", p, vb).reshape(-1)
+            err = (got[b] - want).abs().max().item()
+            assert err < 1e-4, (f"decode_attention, q x {q_scale}, request {b} ({n} keys): "
+                                f"{err:.2e} off float64")
+
 # ----------------------------------------------------------------------------- the choice
 def _config(name="tiny-qwen2", **kw):
     from minisgl.distributed import DistributedInfo
