@@ -796,6 +796,90 @@ def test_cpp_backend_decode_on_generated_batches(kmod):
     check()
 
 
+@pytest.mark.parametrize("wide", [True, False], ids=["int64", "int32"])
+def test_every_index_check_holds_at_its_boundary(kmod, wide):
+    """Each index a kernel reads through is checked on both sides of its range: the first and
+    the last valid index are taken, one before the first and one past the last are refused with
+    the message, and a refused call writes nothing (a check off by one reads or writes one row
+    past a table, which no result comparison sees)."""
+    idx = torch.int64 if wide else torch.int32
+    m = kmod
+    P, S, D = 10, 16, 8  # rope table rows, pool slots, head_dim (one kv head)
+
+    def refused(op, args, message, untouched=()):
+        before = [t.clone() for t in untouched]
+        try:
+            op(*args)
+        except RuntimeError as e:
+            assert message in str(e), f"{op.__name__} refused with {e}, expected {message!r}"
+        else:
+            pytest.fail(f"{op.__name__} took an index outside its range; its check must "
+                        f"refuse it with {message!r} (is a bound off by one?)")
+        for t, b in zip(untouched, before):
+            assert torch.equal(t, b), f"{op.__name__} wrote before refusing ({message!r})"
+
+    cos_sin = torch.randn(P, D)
+    for ok in ([0], [P - 1], [0, P - 1]):
+        m.rope_inplace(torch.tensor(ok, dtype=idx), torch.randn(len(ok), D), cos_sin, D)
+    for bad in (-1, P, P + 1):
+        x = torch.randn(2, D)
+        refused(m.rope_inplace, (torch.tensor([0, bad], dtype=idx), x, cos_sin, D),
+                f"position {bad} is outside the rope table ({P} positions)", [x])
+
+    k_cache, v_cache = torch.randn(S, D), torch.randn(S, D)
+    q, L = torch.randn(1, D), 2
+    for ok in ([0, S - 1], [S - 1, 0]):
+        m.decode_attention(q, k_cache, v_cache, torch.tensor(ok), torch.tensor([2]), L, D)
+    for bad in (-1, S, S + 1):
+        for slots in ([bad, 0], [0, bad]):
+            refused(m.decode_attention,
+                    (q, k_cache, v_cache, torch.tensor(slots), torch.tensor([2]), L, D),
+                    f"kv slot {bad} is outside the pool ({S} slots)")
+    # slots past a request's seq_len are not read, so they are not checked either
+    m.decode_attention(q, k_cache, v_cache, torch.tensor([3, S + 5]), torch.tensor([1]), L, D)
+    for n in (1, L):
+        m.decode_attention(q, k_cache, v_cache, torch.tensor([0, 1]), torch.tensor([n]), L, D)
+    for n in (0, -1, L + 1):
+        refused(m.decode_attention,
+                (q, k_cache, v_cache, torch.tensor([0, 1]), torch.tensor([n]), L, D),
+                f"seq_len {n} must be in 1..{L}")
+
+    for shape in ((S, 1, D), (S // 4, 4, 1, D)):  # token-major, and pages of 4 slots
+        caches = torch.randn(shape), torch.randn(shape)
+        for ok in ([0], [S - 1], [S - 1, 0]):
+            k, v = torch.randn(len(ok), D), torch.randn(len(ok), D)
+            m.store_kv(*caches, k, v, torch.tensor(ok, dtype=idx))
+            assert torch.equal(caches[0].view(S, D)[ok], k), f"store_kv into slots {ok}"
+        for bad in (-1, S, S + 1):
+            refused(m.store_kv, (*caches, torch.randn(3, D), torch.randn(3, D),
+                                 torch.tensor([0, 1, bad], dtype=idx)),
+                    f"out_loc[2] = {bad} is outside the pool ({S} slots); nothing was written",
+                    caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int64])
+@pytest.mark.parametrize("shape", [(7,), (3, 40), (1, 1), (2, 3, 17)])
+def test_the_wrappers_equal_torch_on_every_input_they_accept(kmod, dtype, shape):
+    """``minisgl.kernel``'s Python wrappers send what the C++ takes to it and everything else to
+    torch: whatever the route, the answer is torch's, for every dtype and rank."""
+    g = torch.Generator().manual_seed(len(shape) * 7 + shape[-1])
+    logits = (torch.randn(shape, generator=g) * 4).to(dtype)
+    got, want = kernel.argmax(logits), torch.argmax(logits, dim=-1)
+    assert torch.equal(got, want), (
+        f"minisgl.kernel.argmax on {dtype} logits of shape {list(shape)} gave {got.tolist()}, "
+        f"torch.argmax {want.tolist()}")
+    if dtype == torch.float32 and len(shape) >= 2:
+        w = torch.randn(5, shape[-1], generator=g)
+        for rows in (1, kernel.LINEAR_MAX_ROWS, kernel.LINEAR_MAX_ROWS + 1):
+            x = torch.randn(rows, shape[-1], generator=g)
+            torch.testing.assert_close(kernel.small_batch_linear(x, w), F.linear(x, w),
+                                       atol=1e-4, rtol=1e-4)
+        x = torch.randn(*shape, generator=g)  # 3-D: a prefill's [B, T, K]
+        torch.testing.assert_close(kernel.small_batch_linear(x, w), F.linear(x, w),
+                                   atol=1e-4, rtol=1e-4)
+
+
 def test_extreme_values_in_silu_and_attention(kmod):
     """Values far outside randn's range, where a fast exp must still saturate properly: gates
     of +-300 (silu(g) is g or 0, never NaN) and attention scores hundreds apart (the softmax
