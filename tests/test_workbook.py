@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import shutil
 import subprocess
 import sys
@@ -532,6 +530,30 @@ def test_run_chapter_tests(tmp_path: Path, capsys):
     assert "Exercise 4.1: do it" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match=r"tests/test_ch05_\*\.py"):
         nbtools.run_chapter_tests("05", root=tmp_path)
+
+
+def test_a_crash_in_the_tests_is_named_as_one(tmp_path: Path, capsys):
+    """A test that kills Python (a segfault in compiled code, an abort) ends pytest without a
+    failure report: the message names the signal and the test that was running, not 'read the
+    first failure above'."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_ch07_crash.py").write_text(
+        "import faulthandler, os, signal\n\n"
+        "def test_fine():\n    assert True\n\n"
+        "def test_a_kernel_that_crashes():\n    faulthandler._sigsegv()\n")
+    (tmp_path / "tests" / "test_ch06_abort.py").write_text(
+        "import os, signal\n\ndef test_aborts():\n    os.kill(os.getpid(), signal.SIGABRT)\n")
+    with pytest.raises(AssertionError) as err:
+        nbtools.run_chapter_tests("07", root=tmp_path)
+    msg = str(err.value)
+    assert "SIGSEGV" in msg and "`test_a_kernel_that_crashes` (test_ch07_crash.py)" in msg, msg
+    assert "read the first failure above" not in msg, msg
+    with pytest.raises(AssertionError, match="SIGABRT while `test_aborts`"):
+        nbtools.run_chapter_tests("06", root=tmp_path)
+    assert "Fatal Python error" in capsys.readouterr().out  # the traceback the message cites
+    killed = nbtools.crashed(9, "")
+    assert "SIGKILL" in killed and "ran out of memory" in killed and "above" not in killed
+    assert "killed by signal 77. That is a crash" in nbtools.crashed(77, "")
 
 
 def test_cli_script_runs(built: Path):

@@ -443,9 +443,31 @@ def run_tests(*args: str, root: Path | None = None, cwd: Path | None = None,
                              "loop in your code may never end; run them in a terminal to see "
                              f"where (`.venv/bin/python -m pytest -x {' '.join(args)}`)") from exc
     print(proc.stdout, end="" if proc.stdout.endswith("\n") else "\n")
+    if proc.returncode < 0:  # killed by a signal: no test failed, the process itself died
+        raise AssertionError(crashed(-proc.returncode, proc.stdout))
     if proc.returncode != 0:
         raise AssertionError(failure)
     return proc.stdout
+
+
+def crashed(signum: int, output: str) -> str:
+    """What to say when pytest was killed by signal `signum`: which signal, the test that was
+    running (from the traceback Python's faulthandler prints), and where to look."""
+    import signal
+
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    # faulthandler prints the test's frames innermost first: the first test_* function named
+    tests = re.findall(r'File "([^"]+)", line \d+ in (test_\w+)', output)
+    where = (f" while `{tests[0][1]}` ({Path(tests[0][0]).name}) was running" if tests else "")
+    trace = ("The traceback above, under 'Fatal Python error', shows the call that crashed."
+             if "Fatal Python error" in output else "No traceback was printed: a SIGKILL "
+             "usually means the system ran out of memory and stopped the process.")
+    return (f"the tests did not finish: Python was killed by {name}{where}. That is a crash, "
+            "not a failed check: compiled code read or wrote memory it does not own (in "
+            f"chapter 07, an index past an array in a C++ kernel), or memory ran out. {trace}")
 
 
 def run_chapter_tests(chapter: str, *extra_args: str, root: Path | None = None,
