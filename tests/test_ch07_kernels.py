@@ -21,10 +21,9 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import model_path, require_kernels
 
 import minisgl
-
-from helpers import model_path, require_kernels
 from minisgl import kernel
 from minisgl.kernel import build as kbuild
 
@@ -451,7 +450,7 @@ def test_linear_with_narrower_vectors(kmod, flags, lanes):
         pytest.skip("the flags below are x86 ones")
     try:
         mod = kbuild.load_or_build(flags)
-    except Exception as e:  # a compiler without these flags: nothing to check here
+    except (RuntimeError, OSError) as e:  # a compiler without these flags: nothing to check
         pytest.skip(f"cannot build with {flags}: {e}")
     assert mod.vector_lanes() == lanes, f"{flags} should give {lanes}-float vectors"
     g = torch.Generator().manual_seed(lanes)
@@ -462,6 +461,91 @@ def test_linear_with_narrower_vectors(kmod, flags, lanes):
         err = (mod.linear(x, w, b).double() - want).abs().max().item()
         assert err < 1e-4 * (1 + want.abs().max().item()), (
             f"{lanes}-lane linear({m}x{k} @ {n}x{k}) is {err:.2e} off float64")
+
+
+def inner_loops(disassembly: str, function: str) -> dict[str, list[list[str]]]:
+    """The innermost loops (a backward jump and what it jumps over) that hold 4 multiply-adds
+    or more, of every function whose name contains `function`, from `objdump -d -C` output:
+    {name: [loop, ...]}, each loop a list of 'mnemonic operands' lines."""
+    import re
+
+    funcs: dict[str, list[tuple[int, str]]] = {}
+    name = None
+    for line in disassembly.splitlines():
+        if (m := re.match(r"^[0-9a-f]+ <(.*)>:$", line)):
+            name = m.group(1) if function in m.group(1) else None
+            if name:
+                funcs[name] = []
+        elif name and (m := re.match(r"^\s*([0-9a-f]+):\s+(\S.*)$", line)):
+            funcs[name].append((int(m.group(1), 16), m.group(2).strip()))
+    found = {}
+    for fname, insns in funcs.items():
+        loops = [(int(m.group(1), 16), addr) for addr, ins in insns
+                 if (m := re.match(r"j\w+\s+([0-9a-f]+)\b", ins)) and int(m.group(1), 16) <= addr]
+        inner = [lp for lp in loops
+                 if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+        bodies = [[ins for addr, ins in insns if lo <= addr <= hi] for lo, hi in inner]
+        found[fname] = [b for b in bodies
+                        if sum(bool(re.match(r"v?(fn?madd\w*ps|mulps)\b", i)) for i in b) >= 4]
+    return found
+
+
+@pytest.mark.slow
+def test_the_many_rows_loop_keeps_its_sums_in_registers(tmp_path):
+    """From 8 rows `linear` is limited by arithmetic, and its loop is fast only while its 12
+    running sums stay in vector registers: 16 of them with SSE and AVX2, 32 with AVX-512. A
+    copy through a local array once made GCC keep them on the stack in the AVX2 build only (a
+    store after every FMA: 16 rows took 4.3x as long), unseen on an AVX-512 machine. So compile
+    the kernels for 4, 8 and 16-float vectors (object files only: no CPU here needs to run
+    them) and read every `linear_rows_t<L, MV, TR>`'s inner loop: no vector register may go to
+    or come from the stack there."""
+    import platform
+    import shutil
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    from minisgl.kernel.cache import SOURCE
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the flags below are x86 ones")
+    cxx, objdump = shutil.which("g++") or shutil.which("c++"), shutil.which("objdump")
+    if not cxx or not objdump:
+        pytest.skip("needs a C++ compiler and objdump (binutils)")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    common = [cxx, "-c", str(SOURCE), "-std=c++17", "-fPIC", "-O3", "-w",
+              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=check",
+              "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{sysconfig.get_paths()['include']}",
+              *(f"-I{p}" for p in include_paths())]
+    targets = {4: [], 8: ["-mavx2", "-mfma"], 16: ["-march=x86-64-v4"]}
+    procs = {lanes: subprocess.Popen([*common, *flags, "-o", str(tmp_path / f"{lanes}.o")],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for lanes, flags in targets.items()}
+    for lanes, proc in procs.items():
+        out, _ = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            pytest.skip(f"this compiler cannot build {targets[lanes]}: {out[-300:]}")
+    for lanes in targets:
+        obj = str(tmp_path / f"{lanes}.o")
+        dis = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", obj],
+                             capture_output=True, text=True, check=True).stdout
+        # the loop is in linear_rows_t<L, MV, TR>, or in linear_tile_t<L, MV, TR> where the
+        # compiler did not inline that into it
+        rows, tiles = inner_loops(dis, "linear_rows_t<"), inner_loops(dis, "linear_tile_t<")
+        assert rows, (f"no linear_rows_t<...> in the {lanes}-float build: it must stay a "
+                      "function of its own (__attribute__((noinline)), linear.h) for this check")
+        for name in rows:
+            args = name[name.index("<"):name.index(">") + 1]
+            bodies = [b for n, bs in {**rows, **tiles}.items() if args in n for b in bs]
+            assert bodies, f"{lanes}-float build: no multiply-add loop found in {name}"
+            for body in bodies:
+                spills = [i for i in body if "(%rsp)" in i or "(%rbp)" in i if "mm" in i]
+                assert not spills, (
+                    f"{lanes}-float build: the inner loop of {name} moves vectors to or from the "
+                    f"stack ({len(spills)} of its {len(body)} instructions, e.g. {spills[0]!r}): "
+                    "its running sums no longer fit in registers. Keep 12 sums a tile at most "
+                    "(linear_rows_many), load each x vector on its own (load_vec), and index the "
+                    "sums by constants only.")
 
 
 def test_bad_input_gets_a_clear_error(kmod):
@@ -910,9 +994,9 @@ def _config(name="tiny-qwen2", **kw):
     from minisgl.distributed import DistributedInfo
     from minisgl.engine import EngineConfig
 
-    args = dict(model_path=str(model_path(name)), tp_info=DistributedInfo(0, 1),
-                dtype=torch.float32, max_running_req=2, num_page_override=64,
-                max_seq_len_override=32)
+    args = {"model_path": str(model_path(name)), "tp_info": DistributedInfo(0, 1),
+            "dtype": torch.float32, "max_running_req": 2, "num_page_override": 64,
+            "max_seq_len_override": 32}
     return EngineConfig(**{**args, **kw})
 
 
@@ -933,10 +1017,9 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
     learner's code), weights keep the checkpoint's layout, and a decode step of tiny-qwen2 (2
     layers) calls each kernel once per layer (the norms twice, plus the final norm), with K/V
     stored through the pool's ``store_kv``."""
+    from benchmarks.measure import run_step
     from minisgl.engine import Engine
     from minisgl.layers import silu_and_mul
-
-    from benchmarks.measure import run_step
 
     engine = Engine(_config(cpu_kernels=True))
     try:

@@ -163,9 +163,12 @@ void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t p
 }
 
 // Output features [lo, hi) for all M rows, TR weight rows at a time (as linear_rows above).
+// Never inlined: a test finds each instance in the compiled library and reads its inner loop
+// (tests/test_ch07_kernels.py: the sums stay in registers with 4, 8 and 16-float vectors).
 template <int L, int MV, int TR>
-void linear_rows_t(const float* xt, int64_t M, const float* w, int64_t ldw, int64_t K,
-                   const float* bias, float* y, int64_t N, int64_t lo, int64_t hi) {
+__attribute__((noinline)) void linear_rows_t(const float* xt, int64_t M, const float* w,
+                                             int64_t ldw, int64_t K, const float* bias, float* y,
+                                             int64_t N, int64_t lo, int64_t hi) {
   for (int64_t n0 = lo; n0 < hi; n0 += TR) {
     const int64_t nn = std::min<int64_t>(TR, hi - n0);
     const float* wr[TR];  // a short last tile repeats its last row (never stored)
