@@ -186,7 +186,8 @@ torch::Tensor transpose_rows(const float* x, int64_t ldx, int64_t M, int64_t K, 
   torch::Tensor xt = torch::empty({K, width}, torch::kFloat32);
   float* t = xt.data_ptr<float>();
   // 16 columns at a time, so that the 16 lines of xt being filled stay in L1 (row by row over
-  // all of K, each float went to another line: 34 us at 16 rows x 1536, against 20 us)
+  // all of K, each float went to another line: a call with 16 rows x 1536 and 12 outputs,
+  // mostly this copy, took 34 us, against 20 us now)
   for (int64_t k0 = 0; k0 < K; k0 += 16) {
     const int64_t k1 = std::min<int64_t>(K, k0 + 16);
     for (int64_t m = 0; m < M; ++m)
