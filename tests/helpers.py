@@ -98,3 +98,13 @@ def run_prepare_models(*argv: str) -> tuple[int, str]:
         except SystemExit as e:
             code = e.code
     return code, err.getvalue()
+
+
+def generated(n: int, suppress=()):
+    """Hypothesis settings for ``n`` examples, the same on every run: derandomized, no example
+    database, no deadline (a first call may build the kernels or load a model); ``suppress``:
+    the health checks a test file knows to be harmless for it."""
+    from hypothesis import settings
+
+    return settings(max_examples=n, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=list(suppress))

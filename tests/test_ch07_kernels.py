@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import generated as helpers_generated
 from helpers import model_path, require_kernels
 
 import minisgl
@@ -67,12 +68,11 @@ def silu_and_mul64(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def generated(n: int):
-    """Hypothesis settings for ``n`` examples, the same on every run (no database, no
-    deadline: a kernel's first call may build it)."""
-    from hypothesis import HealthCheck, settings
+    """Hypothesis settings for ``n`` examples (helpers.generated), every health check off: a
+    kernel's first call may build it."""
+    from hypothesis import HealthCheck
 
-    return settings(max_examples=n, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=list(HealthCheck))
+    return helpers_generated(n, list(HealthCheck))
 
 
 class Threads:

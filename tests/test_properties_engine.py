@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from errors_catalogue import assert_catalogued
-from helpers import hf_model, model_path
-from hypothesis import HealthCheck, given, settings
+from helpers import generated, hf_model, model_path
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from minisgl.core import Batch, Req, SamplingParams
@@ -21,7 +21,7 @@ SUPPRESS = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 
 
 def SETTINGS(n):  # noqa: N802
-    return settings(max_examples=n, deadline=None, database=None, derandomize=True, suppress_health_check=SUPPRESS)
+    return generated(n, SUPPRESS)
 TINY = ["tiny-llama", "tiny-qwen3"]
 BUILD_BUDGET = 3
 _built = {"n": 0}

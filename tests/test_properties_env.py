@@ -11,14 +11,14 @@ import pathlib
 
 import pytest
 from errors_catalogue import assert_catalogued
-from hypothesis import HealthCheck, assume, given, settings
+from helpers import generated
+from hypothesis import HealthCheck, assume, given
 from hypothesis import strategies as st
 
 import minisgl.kernel.cache as kcache
 from minisgl.utils.env import read_env
 
-SETTINGS = settings(max_examples=40, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = generated(40, [HealthCheck.function_scoped_fixture])
 
 numberish = st.one_of(st.text(max_size=12), st.floats().map(repr), st.integers().map(str),
                       st.sampled_from(["nan", "inf", "-inf", "-1", "1e400", "0", "300", " 5 ",

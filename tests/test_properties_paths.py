@@ -9,12 +9,11 @@ import subprocess
 import sys
 
 from errors_catalogue import assert_catalogued, row_for
-from helpers import ROOT, model_path, run_prepare_models
-from hypothesis import HealthCheck, given, settings
+from helpers import ROOT, generated, model_path, run_prepare_models
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
-SETTINGS = settings(max_examples=25, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = generated(25, [HealthCheck.function_scoped_fixture])
 names = st.text(alphabet=st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)),
                 min_size=1, max_size=8).filter(lambda s: s not in (".", ".."))
 KINDS = ["missing", "file", "empty-folder", "config-is-folder", "no-weights", "model"]
@@ -92,7 +91,7 @@ def test_prepare_models_wheel_of_any_kind(tmp_path_factory, arg):
         assert row_for(f"exit status {code}", err).startswith("wheel-"), err
 
 
-@settings(max_examples=8, deadline=None, database=None, derandomize=True)
+@generated(8)
 @given(st.one_of(st.text(max_size=6).filter(_argv_text), st.sampled_from(["04", "4", "99", ""])),
        st.sampled_from(["file", "missing", "not-a-workbook"]))
 def test_workbook_reset_any_text_and_root(chapter, root_kind):

@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 from errors_catalogue import assert_catalogued
-from hypothesis import HealthCheck, given, settings
+from helpers import generated
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.sample import Sampler
 
 V = 50  # vocabulary of the sampler under test
-SETTINGS = settings(max_examples=60, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = generated(60, [HealthCheck.too_slow])
 
 anything = st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.lists(st.integers(),
                                                                              max_size=2))
