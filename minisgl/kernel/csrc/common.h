@@ -77,17 +77,20 @@ namespace {
 
 constexpr int kLanes = MINISGL_LANES;
 typedef float vecf __attribute__((vector_size(MINISGL_LANES * sizeof(float))));
-inline vecf loadv(const float* p) {
-  vecf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
-// A vector of N floats, for code that needs another width than vecf's (N a power of two).
+// A vector of N floats, for code that needs another width than vecf's (N a power of two),
+// read from any float address.
 template <int N>
 struct VecOf {
   typedef float type __attribute__((vector_size(N * sizeof(float))));
 };
+template <int N>
+inline typename VecOf<N>::type load_vec(const float* p) {
+  typename VecOf<N>::type v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vecf loadv(const float* p) { return load_vec<kLanes>(p); }
+inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
 // The sum of a vector's lanes, as a tree: the upper half added onto the lower until two lanes
 // are left (4 adds for 16 lanes). Added one by one, each of the 15 additions waits for the one
 // before; decode attention ends every score in such a sum, and took 1.35x as long with them.

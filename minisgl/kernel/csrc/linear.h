@@ -127,13 +127,6 @@ namespace {
 // for K = 576.
 constexpr int64_t kManyRows = 8;  // measured on AVX2 and on AVX-512 (chapter 07)
 
-template <int L>
-inline typename VecOf<L>::type load_vec(const float* p) {  // loadv for L floats
-  typename VecOf<L>::type v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 // The vectors here hold L floats: kLanes, except that an AVX-512 build takes 8-float vectors for
 // 8 rows or fewer. A 16-float vector would carry a zero for every row missing from 16, and a
 // zero costs what a row costs: Zen 4 runs a 16-float FMA as two 8-float halves, so 8 rows in
