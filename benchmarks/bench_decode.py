@@ -29,6 +29,7 @@ from benchmarks.measure import (
     header,
     hf_decode_times,
     hf_generate_tokens_per_s,
+    huge_pages_line,
     interleave,
     median_ms,
     run_and_record,
@@ -84,6 +85,7 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
     configs = [False] + ([True] if why_not is None else [])
     engines = Engines(model_path, tok, threads)
     engines.get(configs[-1])
+    pages = huge_pages_line(engines.engine) if True in configs else None
     threads = torch.get_num_threads()
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     s0 = step0.load_model(model_path)
@@ -116,7 +118,8 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
         "",
         (f"Weights {wbytes / 1e6:.0f} MB (tied embeddings once); read bandwidth "
          f"{bw / 1e9:.1f} GB/s (`x.sum()` over 1 GiB, interleaved with the rounds) -> roofline "
-         f"{roof_ms:.1f} ms per decode step."),
+         f"{roof_ms:.1f} ms per decode step."
+         + (f" Fused kernels: {pages}." if pages else "")),
         "",
     ]
     lines += [

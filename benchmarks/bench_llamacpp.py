@@ -38,6 +38,7 @@ from benchmarks.measure import (
     ReadPass,
     bench_parser,
     header,
+    huge_pages_line,
     median_ms,
     run_and_record,
     weight_bytes,
@@ -243,6 +244,7 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
         max_running_req=1, num_page_override=512, max_seq_len_override=256, cpu_kernels=True,
         num_threads=threads))
     kernels = engine.config.attention_backend == "cpp"
+    pages = huge_pages_line(engine)
     label = ("minisgl, fused kernels (`cpu_kernels=True`)" if kernels else
              f"minisgl, your code (kernels unavailable: {kernel.unavailable_reason()})")
     threads = torch.get_num_threads()
@@ -291,7 +293,8 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
         (f"{header(model_path, 'batch 1, greedy', threads)}; llama-cpp-python "
          f"{llama_cpp.__version__} (as many threads); medians of "
          f"{rounds} rounds x {len(PROMPTS)} prompts x {steps} tokens, interleaved prompt by "
-         f"prompt; load average before / after {LOAD_BEFORE:.1f} / {load_after:.1f}."),
+         f"prompt; load average before / after {LOAD_BEFORE:.1f} / {load_after:.1f}; "
+         f"minisgl's {pages}."),
         "",
         (f"Weights {wbytes / 1e6:.0f} MB float32 (tied embeddings once); read bandwidth "
          f"{bw / 1e9:.1f} GB/s (`x.sum()` over 1 GiB, median of every round's 3 passes; "

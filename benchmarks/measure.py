@@ -78,6 +78,33 @@ def kernel_line() -> str:
             f"vector, MINISGL_KERNEL_ISA={os.environ.get('MINISGL_KERNEL_ISA') or 'native'})")
 
 
+def huge_pages_line(engine) -> str:
+    """Where an Engine's weights lie: the share in 2 MB pages (Linux's smaps: an Engine built
+    with the kernels copies them into one buffer advised for huge pages, chapter 07's
+    ``place_weights``; the OS may still give 4 KB pages), and the THP setting."""
+    weights = list(engine.model.state_dict().values())
+    lo = min(t.data_ptr() for t in weights)
+    hi = max(t.data_ptr() + t.numel() * t.element_size() for t in weights)
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1]
+        mode = mode.split("]")[0]
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except (OSError, IndexError):
+        return "weights in 2 MB pages: unknown (no Linux transparent huge pages here)"
+    huge = mapped = 0  # over the mappings the weights lie in
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start < hi and end > lo
+            mapped += end - start if inside else 0
+        elif inside and line.startswith("AnonHugePages:"):
+            huge += int(line.split()[1]) * 1024
+    return (f"weights ({(hi - lo) / 1e6:.0f} MB, in {mapped / 1e6:.0f} MB of mappings) in 2 MB "
+            f"pages: {huge / 1e6:.0f} MB (transparent huge pages: {mode})")
+
+
 def header(model_path: Path, what: str, threads: int | None = None) -> str:
     """The start of a table's header: the model (relative to the repository), what ran, the
     machine, the kernels' build and today's date."""

@@ -11,6 +11,7 @@ builder, a truncated or corrupt library, a busy lock and a missing compiler.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import pathlib
 import signal
@@ -1093,6 +1094,134 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
         assert engine.sampler._argmax is not kernel.argmax
     finally:
         engine.shutdown()
+
+
+def _smaps_flags(address: int) -> list[str] | None:
+    """The VmFlags of the mapping holding ``address`` (Linux), or None without /proc."""
+    try:
+        lines = pathlib.Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(a, 16) for a in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return None
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"], ids=["tied-with-bias", "untied"])
+def test_a_kernel_engine_keeps_its_weights_in_one_buffer_of_2mb_pages(kmod, name):
+    """``place_weights``: after the build every weight is the checkpoint's, bit for bit, and they
+    all lie in one buffer that starts on a 2 MB boundary, in state-dict order, 64-byte aligned,
+    none overlapping; Linux was asked for huge pages there (VmFlags ``hg``). A tied LM head
+    still reads the embedding table, and a decode step gives the default Engine's tokens."""
+    from benchmarks.measure import run_step
+    from minisgl.engine import Engine
+    from minisgl.models import load_weight
+
+    engine = Engine(_config(name, cpu_kernels=True))
+    try:
+        checkpoint = dict(load_weight(model_path(name)))  # the Engine has set the tp info
+        state = engine.model.state_dict()
+        assert set(state) <= set(checkpoint), set(state) - set(checkpoint)
+        for key, t in state.items():
+            assert torch.equal(t, checkpoint[key]), f"{key}: not the checkpoint's values"
+            assert t.is_contiguous(), f"{key}: placed weights must be contiguous"
+        storages = {t.untyped_storage().data_ptr() for t in state.values()}
+        assert len(storages) == 1, f"the weights lie in {len(storages)} buffers, not one"
+        ptrs = [(t.data_ptr(), t.numel() * t.element_size(), key) for key, t in state.items()]
+        assert ptrs[0][0] % (2 << 20) == 0, "the buffer must start on a 2 MB boundary"
+        for p, _, key in ptrs:
+            assert p % 64 == 0, f"{key} does not start a cache line"
+        for (p, n, key), (q, _, nxt) in itertools.pairwise(ptrs):
+            assert p + n <= q, f"{key} overlaps {nxt} (or the order is not the state dict's)"
+        assert ptrs[-1][0] + ptrs[-1][1] - ptrs[0][0] <= sum(n + 64 for _, n, _ in ptrs)
+        lm_head = engine.model.lm_head
+        if lm_head.tie_word_embeddings:
+            assert "lm_head.weight" not in state
+            assert lm_head._tied_embedding.weight is engine.model.model.embed_tokens.weight
+        else:
+            assert "lm_head.weight" in state
+        if pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+            flags = _smaps_flags(ptrs[0][0])
+            assert flags is not None and "hg" in flags, (
+                f"the weights' mapping was not advised for huge pages (VmFlags {flags})")
+        reqs = _two_reqs(engine)
+        got = [run_step(engine, reqs, "prefill")] + [run_step(engine, reqs, "decode")
+                                                      for _ in range(3)]
+    finally:
+        engine.shutdown()
+    engine = Engine(_config(name))
+    try:  # a default Engine leaves the weights where the loader put them
+        state = engine.model.state_dict()
+        assert len({t.untyped_storage().data_ptr() for t in state.values()}) > 1
+        reqs = _two_reqs(engine)
+        want = [run_step(engine, reqs, "prefill")] + [run_step(engine, reqs, "decode")
+                                                       for _ in range(3)]
+    finally:
+        engine.shutdown()
+    assert got == want, f"placed weights changed the greedy tokens: {got} != {want}"
+
+
+def test_place_weights_frees_each_loader_tensor_before_the_next_copy(monkeypatch):
+    """On op trees of its own (no Engine): float32 weights of every shape, a strided one
+    and an empty one included, are copied with their values and shapes and swapped in through
+    their attribute paths; other dtypes stay where they are; and when each copy is swapped in,
+    the loader tensors swapped before it are already freed (the build needs one tensor's worth
+    of memory more, not the whole model's)."""
+    import weakref
+
+    from minisgl.kernel import weights as kweights
+    from minisgl.layers import BaseOP, OPList
+
+    class Leaf(BaseOP):
+        def __init__(self, *shapes):
+            for i, s in enumerate(shapes):
+                setattr(self, f"w{i}", torch.randn(*s))
+
+        def forward(self):
+            return None
+
+    class Tree(BaseOP):
+        def __init__(self):
+            self.embed = Leaf((50, 8))
+            self.layers = OPList([Leaf((3, 5), (7,), (0, 4)), Leaf((16, 33), (1,))])
+            self.layers.op_list[1].strided = torch.randn(9, 6).t()  # [6, 9], stride (1, 6)
+            self.ids = torch.arange(5)  # int64: not a weight the kernels read
+            self.head = Leaf((11, 8))
+
+        def forward(self):
+            return None
+
+    tree = Tree()
+    before = {k: t.clone() for k, t in tree.state_dict().items()}
+    refs = {k: weakref.ref(t) for k, t in tree.state_dict().items()}
+    ids = tree.ids
+    swapped, alive_at_swap = [], []
+    real_swap = kweights._swap_in
+
+    def watch(model, key, tensor):
+        alive_at_swap.append([k for k in swapped if refs[k]() is not None])
+        real_swap(model, key, tensor)
+        swapped.append(key)
+
+    monkeypatch.setattr(kweights, "_swap_in", watch)
+    placed = kweights.place_weights(tree)
+    state = tree.state_dict()
+    assert tree.ids is ids, "a non-float32 tensor must stay where it is"
+    assert swapped == [k for k in before if k != "ids"], "every float32 weight, in order"
+    for key, t in state.items():
+        assert t.shape == before[key].shape and torch.equal(t, before[key]), key
+        if key != "ids":
+            assert t.is_contiguous() and t.data_ptr() % 64 == 0, key
+            assert t.untyped_storage().data_ptr() == placed.buffer.untyped_storage().data_ptr()
+    assert all(not alive for alive in alive_at_swap), (
+        f"loader tensors still referenced while later ones were copied: {alive_at_swap}")
+    assert placed.buffer.data_ptr() % (2 << 20) == 0
 
 
 DEFAULT_ENGINE = r"""

@@ -76,6 +76,8 @@ class Engine:
                 config, attention_backend=self._backend_name(config))
             with build_ops(self.ops):
                 self._init(self.config)
+            if self.ops.place_weights is not None:  # chapter 07: the weights in 2 MB pages
+                self.ops.place_weights(self.model)
             ok = True
         finally:
             self._replacing = None

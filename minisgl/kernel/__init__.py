@@ -18,7 +18,8 @@ below) replaces decode attention:
 
 The files: ``csrc.cpp`` and ``csrc/*.h`` (the C++), ``cache.py`` (where the library is kept,
 the build lock), ``build.py`` (compile, verify, load), this file (``load()`` and the Python side
-of each kernel), ``binding.py`` (``op_impls``) and ``attention.py`` (the ``"cpp"`` backend). A
+of each kernel), ``weights.py`` (the weights in 2 MB pages), ``binding.py`` (``op_impls``) and
+``attention.py`` (the ``"cpp"`` backend). A
 default Engine never imports this package, so it runs exactly the chapters' code.
 """
 

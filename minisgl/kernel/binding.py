@@ -10,7 +10,9 @@ chapters' code. What each op gets (the functions live in ``__init__.py``):
 - ``GatedMLP``'s silu -> ``silu_and_mul``;
 - the linear ops and the LM head -> ``small_batch_linear`` (``linear``);
 - the KV pool (built inside ``build_ops`` too) -> ``store_kv``;
-- the Sampler's greedy path (built inside ``build_ops`` too) -> ``argmax`` (``argmax_rows``).
+- the Sampler's greedy path (built inside ``build_ops`` too) -> ``argmax`` (``argmax_rows``);
+- and, called once by the Engine after loading, ``place_weights`` (``weights.py``): the weights
+  in one buffer of 2 MB pages.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from minisgl.layers import OpImpls
 
 from . import (KernelBuildError, add_rmsnorm, argmax, load, rope, silu_and_mul,
                small_batch_linear, store_kv, unavailable_reason)
+from .weights import place_weights
 
 
 def op_impls() -> OpImpls:
@@ -27,4 +30,5 @@ def op_impls() -> OpImpls:
     if load() is None:
         raise KernelBuildError(f"the C++ kernels are unavailable: {unavailable_reason()}")
     return OpImpls(name="cpp", matmul=small_batch_linear, add_rmsnorm=add_rmsnorm, rope=rope,
-                   silu_and_mul=silu_and_mul, store_kv=store_kv, argmax=argmax)
+                   silu_and_mul=silu_and_mul, store_kv=store_kv, argmax=argmax,
+                   place_weights=place_weights)

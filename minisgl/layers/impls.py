@@ -33,6 +33,10 @@ class OpImpls:
     # the Sampler's greedy path (chapter 06): logits [B, V] -> int64 [B], torch.argmax's answer
     # (first index on a tie); None: torch.argmax
     argmax: Callable | None = None
+    # called once by the Engine, after loading: (model) -> None, moves the weights where this
+    # set reads them fastest (chapter 07: one buffer of 2 MB pages); None: they stay where the
+    # loader put them
+    place_weights: Callable | None = None
 
 
 TORCH_OPS = OpImpls()

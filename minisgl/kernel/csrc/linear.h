@@ -132,8 +132,7 @@ constexpr int64_t kManyRows = 8;  // measured on AVX2 and on AVX-512 (chapter 07
 // zero costs what a row costs: Zen 4 runs a 16-float FMA as two 8-float halves, so 8 rows in
 // 16-float vectors took the time of 16 (chapter 07 measures it).
 template <int L, int MV, int TR>
-void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t pf, float* y,
-                   int64_t ldy, int64_t M, int64_t nn, const float* bias) {
+void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t pf, float* yt) {
   typedef typename VecOf<L>::type vec;
   vec acc[TR][MV] = {};
   for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 floats: one cache line of each weight row
@@ -148,26 +147,39 @@ void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t p
       }
     }
   }
-  for (int64_t i = 0; i < nn; ++i) {  // sum (i, v) lane l is y[v * L + l, n0 + i]
-    float out[MV * L];
-    std::memcpy(out, acc[i], sizeof(out));
-    for (int64_t m = 0; m < M; ++m) y[m * ldy + i] = bias ? out[m] + bias[i] : out[m];
-  }
+  // sum (i, v) lane l is y[v * L + l, n0 + i]: the tile's outputs, one row of yt per weight row
+  for (int i = 0; i < TR; ++i) std::memcpy(yt + i * MV * L, acc[i], sizeof(acc[i]));
 }
 
 // Output features [lo, hi) for all M rows, TR weight rows at a time (as linear_rows above).
+// The tiles' sums go to a small buffer first, kStaged tiles of them, and from there to y row by
+// row. y's M rows are N floats apart, and where N is a multiple of 1024 (gate_up's 3072, the LM
+// head's 49152) that is a multiple of 4 KB: all M rows fall into one set of L1 (8 lines), and of
+// L2 too for multiples of 64 KB. Written output by output, each tile went over those M lines TR
+// times in turn, more lines than the set holds, and missed on most stores.
 // Never inlined: a test finds each instance in the compiled library and reads its inner loop
 // (tests/test_ch07_kernels.py: the sums stay in registers with 4, 8 and 16-float vectors).
+constexpr int kStaged = 2;  // tiles (1 to 4 measured alike on AVX2, 8 no better than none)
+
 template <int L, int MV, int TR>
 __attribute__((noinline)) void linear_rows_t(const float* xt, int64_t M, const float* w,
                                              int64_t ldw, int64_t K, const float* bias, float* y,
                                              int64_t N, int64_t lo, int64_t hi) {
-  for (int64_t n0 = lo; n0 < hi; n0 += TR) {
-    const int64_t nn = std::min<int64_t>(TR, hi - n0);
-    const float* wr[TR];  // a short last tile repeats its last row (never stored)
-    for (int i = 0; i < TR; ++i) wr[i] = w + (n0 + std::min<int64_t>(i, nn - 1)) * ldw;
-    const int64_t pf = n0 + 2 * TR <= hi ? TR * ldw : 0;
-    linear_tile_t<L, MV, TR>(xt, wr, K, pf, y + n0, N, M, nn, bias ? bias + n0 : nullptr);
+  alignas(64) float yt[kStaged * TR * MV * L];  // row r: output g0 + r, one lane per row of x
+  for (int64_t g0 = lo; g0 < hi; g0 += kStaged * TR) {
+    const int64_t g1 = std::min<int64_t>(hi, g0 + kStaged * TR);
+    for (int64_t n0 = g0; n0 < g1; n0 += TR) {
+      const int64_t nn = std::min<int64_t>(TR, hi - n0);
+      const float* wr[TR];  // a short last tile repeats its last row (never written to y)
+      for (int i = 0; i < TR; ++i) wr[i] = w + (n0 + std::min<int64_t>(i, nn - 1)) * ldw;
+      const int64_t pf = n0 + 2 * TR <= hi ? TR * ldw : 0;
+      linear_tile_t<L, MV, TR>(xt, wr, K, pf, yt + (n0 - g0) * MV * L);
+    }
+    for (int64_t m = 0; m < M; ++m)  // each row of y: g1 - g0 consecutive floats
+      for (int64_t n = g0; n < g1; ++n) {
+        const float s = yt[(n - g0) * MV * L + m];
+        y[m * N + n] = bias ? s + bias[n] : s;
+      }
   }
 }
 
