@@ -42,10 +42,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const float* qp = q2.data_ptr<float>();
   float* op = o.data_ptr<float>();
   const int64_t qs = q2.stride(0);
-  // one task per (request, KV head): its G query heads read each key and value row once; the
-  // tasks are handed out one at a time, so both threads work from the first request on
+  // one task per (request, KV head): its G query heads read each key and value row once. With
+  // two requests or more per thread, a thread takes a whole request at a time (its Hkv tasks,
+  // one after another) and its first task fetches every head's part of each slot's row: the
+  // other heads then read from cache. With fewer, the tasks are handed out one at a time, so
+  // both threads work from the first request on.
   const int64_t tasks = B * Hkv;
-  split_rows(tasks, 1, [&](int64_t lo, int64_t hi) {
+  const bool whole = B >= 2 * workers().size();
+  split_rows(tasks, whole ? Hkv : 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> p(G * L);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / Hkv, hk = task % Hkv, n = lens[b];
@@ -55,9 +59,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       // slot's, and the weights streamed since the last layer have pushed them out of every
       // cache: ask for key and value rows kAhead slots before they are needed, so that their
       // misses overlap instead of waiting one after another.
+      const bool all_heads = whole && hk == 0;  // the whole row: Hkv * D floats
       const auto fetch = [&](int64_t j) {
-        const int64_t at = sl[j] * row + hk * D;
-        for (int64_t d = 0; d < D; d += 16) {  // 16 floats: one 64-byte cache line
+        const int64_t at = sl[j] * row + (all_heads ? 0 : hk * D);
+        for (int64_t d = 0; d < (all_heads ? row : D); d += 16) {  // 16 floats: a cache line
           __builtin_prefetch(kc + at + d, 0, 3);
           __builtin_prefetch(vc + at + d, 0, 2);  // read after the softmax: L2 is enough
         }

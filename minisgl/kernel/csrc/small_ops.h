@@ -48,7 +48,10 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   auto y = torch::empty({T, I}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  split_rows(T, kRowGrain, [&](int64_t lo, int64_t hi) {
+  // chunks of about 8192 outputs, not kRowGrain rows: a decode batch's exponentials are worth
+  // both threads (16 rows x 1536, on the Zen 2 EPYC: 26 us on one thread, 19 us on two)
+  const int64_t rows = std::max<int64_t>(1, 8192 / std::max<int64_t>(I, 1));
+  split_rows(T, rows, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const float* g = xp + t * xs;
       const float* u = g + I;
