@@ -1150,6 +1150,9 @@ def test_a_kernel_engine_keeps_its_weights_in_one_buffer_of_2mb_pages(kmod, name
             flags = _smaps_flags(ptrs[0][0])
             assert flags is not None and "hg" in flags, (
                 f"the weights' mapping was not advised for huge pages (VmFlags {flags})")
+            assert "sh" not in flags, ("the weights' mapping is shared memory (shmem), whose "
+                                       "huge pages are a setting of their own, off by default: "
+                                       "map it private")
         reqs = _two_reqs(engine)
         got = [run_step(engine, reqs, "prefill")] + [run_step(engine, reqs, "decode")
                                                       for _ in range(3)]
@@ -1192,15 +1195,19 @@ def test_place_weights_frees_each_loader_tensor_before_the_next_copy(monkeypatch
             self.layers = OPList([Leaf((3, 5), (7,), (0, 4)), Leaf((16, 33), (1,))])
             self.layers.op_list[1].strided = torch.randn(9, 6).t()  # [6, 9], stride (1, 6)
             self.ids = torch.arange(5)  # int64: not a weight the kernels read
+            self.half = torch.randn(4, 4, dtype=torch.bfloat16)  # other float dtypes stay too
+            self.wide = torch.randn(3, dtype=torch.float64)
+            self.ghost = torch.empty(2, 3, device="meta")  # not on the CPU: stays
             self.head = Leaf((11, 8))
 
         def forward(self):
             return None
 
     tree = Tree()
-    before = {k: t.clone() for k, t in tree.state_dict().items()}
-    refs = {k: weakref.ref(t) for k, t in tree.state_dict().items()}
-    ids = tree.ids
+    kept = {k: t for k, t in tree.state_dict().items()
+            if t.dtype != torch.float32 or t.device.type != "cpu"}
+    before = {k: t.clone() for k, t in tree.state_dict().items() if k not in kept}
+    refs = {k: weakref.ref(t) for k, t in tree.state_dict().items() if k not in kept}
     swapped, alive_at_swap = [], []
     real_swap = kweights._swap_in
 
@@ -1212,13 +1219,14 @@ def test_place_weights_frees_each_loader_tensor_before_the_next_copy(monkeypatch
     monkeypatch.setattr(kweights, "_swap_in", watch)
     placed = kweights.place_weights(tree)
     state = tree.state_dict()
-    assert tree.ids is ids, "a non-float32 tensor must stay where it is"
-    assert swapped == [k for k in before if k != "ids"], "every float32 weight, in order"
-    for key, t in state.items():
-        assert t.shape == before[key].shape and torch.equal(t, before[key]), key
-        if key != "ids":
-            assert t.is_contiguous() and t.data_ptr() % 64 == 0, key
-            assert t.untyped_storage().data_ptr() == placed.buffer.untyped_storage().data_ptr()
+    for key, t in kept.items():
+        assert state[key] is t, f"{key} ({t.dtype}, {t.device}) must stay where it is"
+    assert swapped == list(before), "every float32 CPU weight, in state-dict order"
+    for key, t in before.items():
+        got = state[key]
+        assert got.dtype == torch.float32 and got.shape == t.shape and torch.equal(got, t), key
+        assert got.is_contiguous() and got.data_ptr() % 64 == 0, key
+        assert got.untyped_storage().data_ptr() == placed.buffer.untyped_storage().data_ptr()
     assert all(not alive for alive in alive_at_swap), (
         f"loader tensors still referenced while later ones were copied: {alive_at_swap}")
     assert placed.buffer.data_ptr() % (2 << 20) == 0
