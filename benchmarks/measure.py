@@ -78,29 +78,46 @@ def kernel_line() -> str:
             f"vector, MINISGL_KERNEL_ISA={os.environ.get('MINISGL_KERNEL_ISA') or 'native'})")
 
 
+def smaps(lo: int, hi: int) -> list[dict[str, str]] | None:
+    """The mappings of this process that overlap the addresses ``[lo, hi)``, from Linux's
+    ``/proc/self/smaps``: each a dict of its fields (``"AnonHugePages"``, ``"VmFlags"``, ...),
+    with ``"start"`` and ``"end"`` in hex; None without that file."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    found, current = [], None
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):  # a mapping's first line
+            start, end = head.split("-")
+            current = {"start": start, "end": end} if int(start, 16) < hi and int(end, 16) > lo \
+                else None
+            if current is not None:
+                found.append(current)
+        elif current is not None:
+            key, _, value = line.partition(":")
+            current[key] = value.strip()
+    return found
+
+
 def huge_pages_line(engine) -> str:
-    """Where an Engine's weights lie: the share in 2 MB pages (Linux's smaps: an Engine built
-    with the kernels copies them into one buffer advised for huge pages, chapter 07's
-    ``place_weights``; the OS may still give 4 KB pages), and the THP setting."""
+    """Where an Engine's weights lie: the share in 2 MB pages (an Engine built with the kernels
+    copies them into one buffer advised for huge pages, chapter 07's ``place_weights``; the OS
+    may still give 4 KB pages), and the THP setting."""
     weights = list(engine.model.state_dict().values())
     lo = min(t.data_ptr() for t in weights)
     hi = max(t.data_ptr() + t.numel() * t.element_size() for t in weights)
+    maps = smaps(lo, hi)
     try:
-        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1]
-        mode = mode.split("]")[0]
-        lines = Path("/proc/self/smaps").read_text().splitlines()
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        mode = mode.split("[")[1].split("]")[0]
     except (OSError, IndexError):
+        maps = None
+    if maps is None:
         return "weights in 2 MB pages: unknown (no Linux transparent huge pages here)"
-    huge = mapped = 0  # over the mappings the weights lie in
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            start, end = (int(a, 16) for a in head.split("-"))
-            inside = start < hi and end > lo
-            mapped += end - start if inside else 0
-        elif inside and line.startswith("AnonHugePages:"):
-            huge += int(line.split()[1]) * 1024
+    huge = sum(int(m.get("AnonHugePages", "0 kB").split()[0]) * 1024 for m in maps)
+    mapped = sum(int(m["end"], 16) - int(m["start"], 16) for m in maps)
     return (f"weights ({(hi - lo) / 1e6:.0f} MB, in {mapped / 1e6:.0f} MB of mappings) in 2 MB "
             f"pages: {huge / 1e6:.0f} MB (transparent huge pages: {mode})")
 

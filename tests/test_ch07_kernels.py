@@ -1096,30 +1096,13 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
         engine.shutdown()
 
 
-def _smaps_flags(address: int) -> list[str] | None:
-    """The VmFlags of the mapping holding ``address`` (Linux), or None without /proc."""
-    try:
-        lines = pathlib.Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(a, 16) for a in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    return None
-
-
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"], ids=["tied-with-bias", "untied"])
 def test_a_kernel_engine_keeps_its_weights_in_one_buffer_of_2mb_pages(kmod, name):
     """``place_weights``: after the build every weight is the checkpoint's, bit for bit, and they
     all lie in one buffer that starts on a 2 MB boundary, in state-dict order, 64-byte aligned,
     none overlapping; Linux was asked for huge pages there (VmFlags ``hg``). A tied LM head
     still reads the embedding table, and a decode step gives the default Engine's tokens."""
-    from benchmarks.measure import run_step
+    from benchmarks.measure import run_step, smaps
     from minisgl.engine import Engine
     from minisgl.models import load_weight
 
@@ -1147,7 +1130,8 @@ def test_a_kernel_engine_keeps_its_weights_in_one_buffer_of_2mb_pages(kmod, name
         else:
             assert "lm_head.weight" in state
         if pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
-            flags = _smaps_flags(ptrs[0][0])
+            maps = smaps(ptrs[0][0], ptrs[0][0] + 1)
+            flags = maps[0].get("VmFlags", "").split() if maps else None
             assert flags is not None and "hg" in flags, (
                 f"the weights' mapping was not advised for huge pages (VmFlags {flags})")
             assert "sh" not in flags, ("the weights' mapping is shared memory (shmem), whose "
@@ -1226,11 +1210,47 @@ def test_place_weights_frees_each_loader_tensor_before_the_next_copy(monkeypatch
         got = state[key]
         assert got.dtype == torch.float32 and got.shape == t.shape and torch.equal(got, t), key
         assert got.is_contiguous() and got.data_ptr() % 64 == 0, key
-        assert got.untyped_storage().data_ptr() == placed.buffer.untyped_storage().data_ptr()
+        assert got.untyped_storage().data_ptr() == placed.untyped_storage().data_ptr()
     assert all(not alive for alive in alive_at_swap), (
         f"loader tensors still referenced while later ones were copied: {alive_at_swap}")
-    assert placed.buffer.data_ptr() % (2 << 20) == 0
+    assert placed.data_ptr() % (2 << 20) == 0
 
+
+
+def test_place_weights_without_memory_says_so_and_without_mmap_uses_plain_memory(monkeypatch):
+    """A map the OS refuses (no memory) is a MemoryError that names the ways out, raised before
+    any weight is swapped; a platform whose mmap takes no flags (Windows) gets plain memory,
+    with the same values."""
+    import errno
+
+    from minisgl.kernel import weights as kweights
+    from minisgl.layers import BaseOP
+
+    class Leaf(BaseOP):
+        def __init__(self):
+            self.weight = torch.randn(5, 7)
+
+        def forward(self):
+            return None
+
+    leaf = Leaf()
+    original = leaf.weight
+
+    def no_memory(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(kweights.mmap, "mmap", no_memory)
+    with pytest.raises(MemoryError, match="cpu_kernels=False"):
+        kweights.place_weights(leaf)
+    assert leaf.weight is original, "nothing is swapped when the buffer cannot be mapped"
+
+    def no_flags(fileno, length, tagname=None):  # Windows' signature
+        raise TypeError("mmap() got an unexpected keyword argument 'flags'")
+
+    monkeypatch.setattr(kweights.mmap, "mmap", no_flags)
+    buffer = kweights.place_weights(leaf)
+    assert torch.equal(leaf.weight, original) and leaf.weight is not original
+    assert leaf.weight.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
 DEFAULT_ENGINE = r"""
 import sys, torch

@@ -13,7 +13,6 @@ values, the same speed as before.
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass
 
 import torch
 
@@ -21,28 +20,25 @@ HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64 and arm64 Linux
 LINE = 64  # bytes: each weight starts a cache line
 
 
-@dataclass(frozen=True)
-class PlacedWeights:
-    buffer: torch.Tensor  # uint8: every placed weight is a view of it
-    huge_pages_asked: bool  # madvise(MADV_HUGEPAGE) succeeded (the OS may still give 4 KB pages)
-
-
-def weight_buffer(nbytes: int) -> PlacedWeights:
-    """``nbytes`` of zeroed memory starting on a 2 MB boundary, with huge pages asked for."""
+def weight_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeroed memory (uint8) starting on a 2 MB boundary, huge pages asked for."""
     try:  # private and anonymous: a shared mapping would be shmem, whose huge pages are off
         mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (AttributeError, TypeError, OSError):  # no such mmap here (Windows)
-        return PlacedWeights(torch.zeros(nbytes, dtype=torch.uint8), False)
-    asked = False
+    except (AttributeError, TypeError):  # no such mmap here (Windows): plain memory
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    except OSError as e:
+        raise MemoryError(
+            f"cannot map {nbytes / 1e6:.0f} MB for the weights in 2 MB pages ({e}): the Engine "
+            "copies them there once, one tensor at a time. Free some memory, lower "
+            "memory_ratio, or build the Engine with cpu_kernels=False.") from e
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; asked before any page is touched
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
-            asked = True
-        except OSError:  # a kernel built without THP
+        except OSError:  # a kernel built without THP: 4 KB pages, the same values
             pass
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping alive while viewed
     start = -raw.data_ptr() % HUGE_PAGE
-    return PlacedWeights(raw[start:start + nbytes], asked)
+    return raw[start:start + nbytes]
 
 
 def _swap_in(model, key: str, tensor: torch.Tensor) -> None:
@@ -54,19 +50,20 @@ def _swap_in(model, key: str, tensor: torch.Tensor) -> None:
     setattr(op, name, tensor)
 
 
-def place_weights(model) -> PlacedWeights:
+def place_weights(model) -> torch.Tensor:
     """Copy every float32 CPU weight of ``model`` into one buffer (``weight_buffer``) and swap
-    the copies in: same values, same shapes, contiguous, each 64-byte aligned."""
+    the copies in: same values, same shapes, contiguous, each 64-byte aligned. Returns the
+    buffer (every placed weight is a view of it)."""
     weights = {key: t for key, t in model.state_dict().items()
                if t.dtype == torch.float32 and t.device.type == "cpu"}
     size = {key: -(-t.numel() * 4 // LINE) * LINE for key, t in weights.items()}
-    placed = weight_buffer(sum(size.values()))
+    buffer = weight_buffer(sum(size.values()))
     at = 0
     for key in list(weights):
         t = weights.pop(key)  # the dict's reference goes now, the model's at the swap
-        copy = placed.buffer[at:at + t.numel() * 4].view(torch.float32).view(t.shape)
+        copy = buffer[at:at + t.numel() * 4].view(torch.float32).view(t.shape)
         copy.copy_(t)
         _swap_in(model, key, copy)
         del t
         at += size[key]
-    return placed
+    return buffer
