@@ -428,6 +428,31 @@ def test_kernel_isa_setting_is_checked(monkeypatch):
     assert "-mno-avx512f" in kernel.build_flags()
 
 
+def test_linear_reads_each_calls_own_x(kmod):
+    """Each thread keeps its transposed copy of x (``thread_xt``) from call to call, so every
+    call must copy again, on every thread that takes a chunk: here x changes in place between
+    calls (same tensor, same address, same shape), the weight stays, the thread count changes
+    under a kept copy, and some calls come after a pause long enough for the workers to sleep
+    (they then join late, after the caller's copy). A copy keyed on x's address or shape, one
+    flag for all threads, or a worker that skips its copy gives the last call's answer."""
+    g = torch.Generator().manual_seed(7)
+    for m, k in [(8, 576), (16, 577), (16, 1536), (32, 64)]:
+        w = torch.randn(12000, k, generator=g)  # calls long enough for a late worker to join
+        x = torch.randn(m, k, generator=g)
+        for threads in (2, 1, 3, 2):
+            for i in range(6):
+                if i % 2:
+                    time.sleep(0.003)  # past the workers' 1 ms of spinning: they sleep
+                x.copy_(torch.randn(m, k, generator=g))
+                want = x.double() @ w.double().T
+                with Threads(threads):
+                    y = kmod.linear(x, w, None)
+                err = (y.double() - want).abs().max().item()
+                assert err < 1e-4 * (1 + want.abs().max().item()), (
+                    f"linear({m}x{k}) with {threads} threads, x changed in place since the last "
+                    f"call: off float64 by {err:.1e} (a thread used an old copy of x?)")
+
+
 def test_small_batch_linear_hands_a_prefill_to_mkl(kmod, monkeypatch):
     calls = []
     monkeypatch.setattr(kernel, "_MODULE", type("Spy", (), {

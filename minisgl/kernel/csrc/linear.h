@@ -183,26 +183,6 @@ __attribute__((noinline)) void linear_rows_t(const float* xt, int64_t M, const f
   }
 }
 
-// x [M, K] (rows ldx apart) -> xt [K, width]: column k of x, zeros past row M. A torch tensor:
-// its memory starts on a 64-byte line, so no vector load of xt straddles two cache lines. It
-// is zeroed here, on this thread: torch::zeros may start torch's own OpenMP threads, which
-// would then spin beside the kernels' workers.
-torch::Tensor transpose_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t width) {
-  torch::Tensor xt = torch::empty({K, width}, torch::kFloat32);
-  float* t = xt.data_ptr<float>();
-  // 16 columns at a time, so that the 16 lines of xt being filled stay in L1 (row by row over
-  // all of K, each float went to another line: a call with 16 rows x 1536 and 12 outputs,
-  // mostly this copy, took 34 us, against 20 us now)
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    const int64_t k1 = std::min<int64_t>(K, k0 + 16);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = k0; k < k1; ++k) t[k * width + m] = x[m * ldx + k];
-    for (int64_t k = k0; k < k1; ++k)
-      for (int64_t m = M; m < width; ++m) t[k * width + m] = 0.0f;
-  }
-  return xt;
-}
-
 // The vector width for M rows: 8 floats for up to 8 rows in an AVX-512 build, else kLanes.
 int64_t lanes_for_rows(int64_t M) { return kLanes == 16 && M <= 8 ? 8 : kLanes; }
 
@@ -223,7 +203,77 @@ void linear_rows_many(const float* xt, int64_t lanes, int mv, int64_t M, const f
 }
 
 }  // namespace
-// --- part 3: reading ahead, and the function Python calls ---
+// --- part 3: x transposed, in blocks ---
+namespace {
+
+// W x W floats transposed in registers: W rows in, W columns out. Stage H swaps the off-diagonal
+// H x H blocks of every 2H x 2H block (H = 1, 2, ..., W/2): log2(W) stages of W shuffles, where
+// a float at a time takes W * W loads and as many stores.
+template <int W, int H, std::size_t... I>
+inline void swap_blocks(typename VecOf<W>::type& a, typename VecOf<W>::type& b,
+                        std::index_sequence<I...>) {
+  const auto lo = __builtin_shufflevector(a, b, ((I & H) ? W + I - H : I)...);
+  const auto hi = __builtin_shufflevector(a, b, ((I & H) ? W + I : I + H)...);
+  a = lo;
+  b = hi;
+}
+template <int W, int H = 1>
+inline void transpose_block(typename VecOf<W>::type* r) {  // r[i][l] becomes r[l][i]
+  if constexpr (H < W) {
+    for (int i = 0; i < W; ++i)
+      if ((i & H) == 0) swap_blocks<W, H>(r[i], r[i + H], std::make_index_sequence<W>{});
+    transpose_block<W, 2 * H>(r);
+  }
+}
+
+// x [M, K] (rows ldx apart) -> t = xt [K, width]: column k of x, zeros past row M, in blocks of
+// W rows x W columns, then the last K % W columns a float at a time.
+template <int W>
+void transpose_into(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t width, float* t) {
+  typedef typename VecOf<W>::type vec;
+  int64_t k0 = 0;
+  for (; k0 + W <= K; k0 += W)
+    for (int64_t m0 = 0; m0 < width; m0 += W) {
+      vec r[W];
+      for (int i = 0; i < W; ++i) r[i] = m0 + i < M ? load_vec<W>(x + (m0 + i) * ldx + k0) : vec{};
+      transpose_block<W>(r);
+      for (int i = 0; i < W; ++i) std::memcpy(t + (k0 + i) * width + m0, &r[i], sizeof(vec));
+    }
+  for (; k0 < K; ++k0)
+    for (int64_t m = 0; m < width; ++m) t[k0 * width + m] = m < M ? x[m * ldx + k0] : 0.0f;
+}
+
+// Each thread's own xt for call number `call`: the thread transposes x on its first chunk of the
+// call, into a buffer it keeps from call to call (starting on a 64-byte line, so that no vector
+// load of xt straddles two lines). One xt written by the calling thread and read by the workers
+// cost twice: every line the caller wrote was still in a worker's cache from the last call, so
+// each store first took the line back from that core, and each worker waited for the whole copy
+// before its first chunk (16 rows of 576 floats: 11 us, of 1536: 31 us). Now the copies run at
+// once, each into lines its own core holds; only x crosses from core to core, as it would anyway.
+std::atomic<uint64_t> g_linear_calls{0};  // numbers the calls of `linear`
+
+const float* thread_xt(uint64_t call, const float* x, int64_t ldx, int64_t M, int64_t K,
+                       int64_t width) {
+  thread_local uint64_t done = 0;  // the call this thread's xt holds
+  thread_local std::vector<float> mem;
+  const size_t need = size_t(K * width) + 16;
+  if (mem.size() < need) {
+    mem.resize(need);
+    done = 0;
+  }
+  const uintptr_t at = reinterpret_cast<uintptr_t>(mem.data());
+  float* t = reinterpret_cast<float*>((at + 63) & ~uintptr_t(63));
+  if (done != call) {
+    if (kLanes == 16 && width % 16 == 0) transpose_into<16>(x, ldx, M, K, width, t);
+    else if (width % 8 == 0) transpose_into<8>(x, ldx, M, K, width, t);
+    else transpose_into<4>(x, ldx, M, K, width, t);
+    done = call;
+  }
+  return t;
+}
+
+}  // namespace
+// --- part 4: reading ahead, and the function Python calls ---
 namespace {
 
 // Which weight followed which, call by call. A decode step calls the same matmuls in the same
@@ -321,10 +371,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   if (M >= kManyRows && M <= 4 * kLanes) {  // part 2
     const int64_t lanes = lanes_for_rows(M);
     const int mv = (int)((M + lanes - 1) / lanes);
-    const torch::Tensor xt = transpose_rows(xp, ldx, M, K, mv * lanes);
-    const float* xtp = xt.data_ptr<float>();
+    const uint64_t call = ++g_linear_calls;
     workers().run(N, std::max<int64_t>(1, rows / 12) * 12, [&](int64_t lo, int64_t hi) {
-      linear_rows_many(xtp, lanes, mv, M, wp, ldw, K, bp, yp, N, lo, hi);
+      const float* xt = thread_xt(call, xp, ldx, M, K, mv * lanes);
+      linear_rows_many(xt, lanes, mv, M, wp, ldw, K, bp, yp, N, lo, hi);
     }, ahead);
     return y;
   }
