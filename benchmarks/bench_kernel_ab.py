@@ -1,0 +1,163 @@
+"""Two builds of chapter 07's C++ kernels in one Engine: this tree's against a git revision's.
+
+A change to the kernels is worth keeping when the Engine's decode step gets faster, and that is
+hard to see on a host whose memory bandwidth drifts by 20% between runs. So this benchmark keeps
+everything but the C++ fixed: one process, one Engine (``cpu_kernels=True``), its weights loaded
+and placed once, and two compiled libraries: this tree's ``minisgl/kernel/csrc*`` (the cached
+build) and the same files at ``--against`` (compiled aside, in a temporary folder). Each round
+runs every batch size with one library, then with the other, swapped in by pointing
+``minisgl.kernel._MODULE`` and the "cpp" attention backend at it; the Python side (the ops, the
+wrappers, ``place_weights``) stays this tree's. Reported per batch size: the median step of each
+build and the median of the per-round ratios ("paired"), which drift between rounds moves much
+less than it moves two separate runs. Both builds must give the same greedy tokens.
+
+Why not the matmuls alone? A benchmark that calls ``linear`` back to back with one x leaves x in
+both cores' caches; in a step, x was just written by the calling thread (a norm, attention,
+silu). A change to the copy of x measured 0.92x that way and 0.97x in the step.
+
+    python benchmarks/bench_kernel_ab.py --against HEAD~1 [--rounds 5] [--steps 16]
+        [--batches 1,4,16] [--threads N]
+
+Prints only (the comparison is about a revision, not the tree); the figures go in a note.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.measure import PROMPTS, ROOT, MinisglRunner, header, median_ms  # noqa: E402
+
+KERNEL_DIR = "minisgl/kernel"
+NEEDED = ("linear", "rmsnorm", "fused_add_rmsnorm", "rope_inplace", "silu_and_mul", "store_kv",
+          "decode_attention", "argmax_rows")
+
+
+def kernel_sources(rev: str, dest: Path) -> Path:
+    """``csrc.cpp`` and ``csrc/*`` as they are at ``rev``, written under ``dest``."""
+    def git(*a: str) -> bytes:
+        r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True)
+        if r.returncode:
+            raise SystemExit(f"git {' '.join(a)}: {r.stderr.decode().strip()} (is --against a "
+                             f"revision of this repository?)")
+        return r.stdout
+
+    names = git("ls-tree", "-r", "--name-only", rev, "--", f"{KERNEL_DIR}/csrc.cpp",
+                f"{KERNEL_DIR}/csrc").decode().split()
+    if f"{KERNEL_DIR}/csrc.cpp" not in names:
+        raise SystemExit(f"{rev} has no {KERNEL_DIR}/csrc.cpp: nothing to compare")
+    for name in names:
+        out = dest / Path(name).relative_to(KERNEL_DIR)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(git("show", f"{rev}:{name}"))
+    return dest / "csrc.cpp"
+
+
+def build_at(rev: str, work: Path):
+    from torch.utils.cpp_extension import load
+
+    from minisgl import kernel
+
+    source = kernel_sources(rev, work / "src")
+    (work / "build").mkdir()
+    print(f"compiling the kernels of {rev} (a minute or two) ...", file=sys.stderr, flush=True)
+    module = load("minisgl_kernel_ab", sources=[str(source)], extra_cflags=kernel.build_flags(),
+                  build_directory=str(work / "build"), verbose=False)
+    missing = [f for f in NEEDED if not hasattr(module, f)]
+    if missing:
+        raise SystemExit(f"the kernels of {rev} lack {', '.join(missing)}: this benchmark swaps "
+                         f"C++ libraries under one Python side, so both need the same functions")
+    return module
+
+
+def run(args) -> str:
+    from transformers import AutoTokenizer
+
+    from minisgl import kernel
+    from minisgl.distributed import DistributedInfo
+    from minisgl.engine import Engine, EngineConfig
+
+    current = kernel.load()
+    if current is None:
+        raise SystemExit(f"the kernels cannot be built here: {kernel.unavailable_reason()}")
+    batches = [int(b) for b in args.batches.split(",")]
+    model = Path(os.path.abspath(args.model))
+    tok = AutoTokenizer.from_pretrained(model)
+    with tempfile.TemporaryDirectory(prefix="minisgl-kernel-ab-") as tmp:
+        other = build_at(args.against, Path(tmp))
+        engine = Engine(EngineConfig(
+            model_path=str(model), tp_info=DistributedInfo(0, 1), dtype=torch.float32,
+            max_running_req=max(batches), num_page_override=max(batches) * 256,
+            max_seq_len_override=256, cpu_kernels=True, num_threads=args.threads))
+        try:
+            if engine.config.attention_backend != "cpp":
+                raise SystemExit("cpu_kernels=True but the Engine runs the torch code")
+            runner = MinisglRunner(engine, tok)
+            builds = {"this tree": current, args.against: other}
+
+            def use(name: str) -> None:
+                kernel._MODULE = builds[name]
+                engine.attn_backend._module = builds[name]
+
+            tokens = {}
+            for name in builds:  # the same greedy tokens with both libraries
+                use(name)
+                reqs = runner.make_reqs(PROMPTS, 17)
+                runner.step(reqs, "prefill")
+                tokens[name] = [runner.step(reqs, "decode") for _ in range(16)]
+            same = tokens["this tree"] == tokens[args.against]
+            steps: dict[tuple[int, str], list[float]] = {}
+            for _ in range(args.rounds):
+                for b in batches:
+                    for name in builds:
+                        use(name)
+                        times = runner.decode_times(b, args.steps, warmup=2)
+                        steps.setdefault((b, name), []).append(median_ms(times))
+            threads = torch.get_num_threads()
+        finally:
+            kernel._MODULE = current
+            engine.shutdown()
+    what = f"decode steps, `cpu_kernels=True`, this tree's kernels against `{args.against}`"
+    lines = [f"{header(model, what, threads)}; {args.rounds} interleaved rounds x {args.steps} "
+             f"steps; the same greedy tokens (4 prompts, 16 steps): {'yes' if same else 'NO'}.",
+             "", f"| batch | this tree, ms | `{args.against}`, ms | this tree / "
+             f"`{args.against}`, paired |", "|---:|---:|---:|---:|"]
+    for b in batches:
+        a, o = steps[(b, "this tree")], steps[(b, args.against)]
+        ratios = sorted(x / y for x, y in zip(a, o))
+        paired = ratios[len(ratios) // 2] if len(ratios) % 2 else \
+            (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+        lines.append(f"| {b} | {sorted(a)[len(a) // 2]:.2f} | {sorted(o)[len(o) // 2]:.2f} | "
+                     f"{paired:.3f}x |")
+    if not same:
+        lines.append("\nThe two builds gave different greedy tokens: a difference beyond "
+                     "rounding, to be found before any timing counts.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", required=True, help="a git revision (HEAD~1, a commit, a tag)")
+    ap.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        raise SystemExit("--rounds and --steps must be at least 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    print(run(args))
+
+
+if __name__ == "__main__":
+    main()
