@@ -24,6 +24,7 @@ Prints only (the comparison is about a revision, not the tree); the figures go i
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,10 +131,8 @@ def run(args) -> str:
              f"`{args.against}`, paired |", "|---:|---:|---:|---:|"]
     for b in batches:
         a, o = steps[(b, "this tree")], steps[(b, args.against)]
-        ratios = sorted(x / y for x, y in zip(a, o))
-        paired = ratios[len(ratios) // 2] if len(ratios) % 2 else \
-            (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
-        lines.append(f"| {b} | {sorted(a)[len(a) // 2]:.2f} | {sorted(o)[len(o) // 2]:.2f} | "
+        paired = statistics.median(x / y for x, y in zip(a, o))
+        lines.append(f"| {b} | {statistics.median(a):.2f} | {statistics.median(o):.2f} | "
                      f"{paired:.3f}x |")
     if not same:
         lines.append("\nThe two builds gave different greedy tokens: a difference beyond "

@@ -256,11 +256,8 @@ const float* thread_xt(uint64_t call, const float* x, int64_t ldx, int64_t M, in
                        int64_t width) {
   thread_local uint64_t done = 0;  // the call this thread's xt holds
   thread_local std::vector<float> mem;
-  const size_t need = size_t(K * width) + 16;
-  if (mem.size() < need) {
-    mem.resize(need);
-    done = 0;
-  }
+  const size_t need = size_t(K * width) + 16;  // a call needs more only before its first copy
+  if (mem.size() < need) mem.resize(need);
   const uintptr_t at = reinterpret_cast<uintptr_t>(mem.data());
   float* t = reinterpret_cast<float*>((at + 63) & ~uintptr_t(63));
   if (done != call) {
