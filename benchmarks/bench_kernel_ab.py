@@ -43,7 +43,11 @@ NEEDED = ("linear", "rmsnorm", "fused_add_rmsnorm", "rope_inplace", "silu_and_mu
 def kernel_sources(rev: str, dest: Path) -> Path:
     """``csrc.cpp`` and ``csrc/*`` as they are at ``rev``, written under ``dest``."""
     def git(*a: str) -> bytes:
-        r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True)
+        try:
+            r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"git {' '.join(a)} gave no answer in 120 s (a lock held by another "
+                             f"git process?): run it by hand to see why") from None
         if r.returncode:
             raise SystemExit(f"git {' '.join(a)}: {r.stderr.decode().strip()} (is --against a "
                              f"revision of this repository?)")
