@@ -397,6 +397,84 @@ def test_reading_ahead_freed_memory_is_harmless(kmod):
     assert out.returncode == 0 and "read ahead ok" in out.stdout, (
         f"exit status {out.returncode}: {out.stderr[-3000:]}")
 
+def test_the_prefetch_distance_never_changes_a_result(kmod):
+    """Part 1's loop prefetches `g_ahead` floats ahead (measured in part 4): a hint to the memory
+    system, so every distance gives the same bits, on every loop of 1 to 7 rows, with K a whole
+    number of vectors and not, and a distance far past the end of the weight is harmless."""
+    g = torch.Generator().manual_seed(7)
+    old = kmod.prefetch_ahead()
+    distances = (0, 64, 256, 4096, 1 << 28)
+    try:
+        for m in range(1, 8):
+            for k in (40, 576, 1030):
+                x, w = torch.randn(m, k, generator=g), torch.randn(300, k, generator=g)
+                outs = []
+                for d in distances:
+                    kmod.set_prefetch_ahead(d)
+                    outs.append(kmod.linear(x, w, None))
+                for d, y in zip(distances, outs):
+                    assert torch.equal(y, outs[0]), (
+                        f"linear.h part 1: {m} rows, K={k}: prefetching {d} floats ahead changed "
+                        f"the result (max diff {(y - outs[0]).abs().max().item():.3g}); the "
+                        "distance may only move a __builtin_prefetch, never a load")
+                err = (outs[0].double() - x.double() @ w.double().T).abs().max().item()
+                assert err < 1e-3, f"linear.h part 1: {m} rows, K={k}: off by {err:.3g}"
+    finally:
+        kmod.set_prefetch_ahead(old)
+
+
+def test_the_prefetch_distance_is_the_fastest_one_measured(kmod):
+    """``measure_prefetch_ahead`` times every candidate distance and keeps the fastest one."""
+    old = kmod.prefetch_ahead()
+    try:
+        times = kmod.measure_prefetch_ahead(1)
+        dists = [d for d, _ in times]
+        assert dists == sorted(set(dists)) and dists[0] == 0 and len(dists) >= 3, (
+            f"linear.h part 4: the candidates {dists} should run from 0 (no prefetch) upwards")
+        assert all(t > 0 for _, t in times), f"linear.h part 4: a pass took no time: {times}"
+        best = min(times, key=lambda p: p[1])[0]
+        assert kmod.prefetch_ahead() == best, (
+            f"linear.h part 4: kept {kmod.prefetch_ahead()} floats, but the fastest pass was "
+            f"{best}: {times}")
+        with pytest.raises(RuntimeError, match="prefetch distance must be >= 0"):
+            kmod.set_prefetch_ahead(-1)
+        with pytest.raises(RuntimeError, match="rounds must be >= 1"):
+            kmod.measure_prefetch_ahead(0)
+    finally:
+        kmod.set_prefetch_ahead(old)
+
+
+AHEAD_SCRIPT = r"""
+import torch
+from minisgl import kernel
+mod = kernel.load()
+w = torch.randn(256, 64)
+for m in [ROWS]:
+    mod.linear(torch.randn(m, 64), w, None)
+first = mod.set_prefetch_ahead(12345)
+mod.linear(torch.randn(3, 64), w, None)
+print(first, mod.set_prefetch_ahead(0))
+"""
+
+
+@pytest.mark.parametrize("rows, measured", [("1,5,8,16", False), ("2", True), ("4,3", True)])
+def test_the_prefetch_distance_is_measured_once_when_the_loop_first_needs_it(kmod, rows,
+                                                                             measured):
+    """A fresh process has no distance (-1); its first call of the 2-4-row loop measures one,
+    no other loop does, and a later call keeps the distance it finds (a set one included)."""
+    out = run_script(AHEAD_SCRIPT.replace("ROWS", rows))
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, later = (int(v) for v in out.stdout.split())
+    if measured:
+        assert first >= 0, (f"linear.h part 5: after calls of {rows} rows the distance is still "
+                            f"unmeasured ({first}): measure it before the 2-4-row loop runs")
+    else:
+        assert first == -1, (f"linear.h part 5: calls of {rows} rows measured a distance "
+                             f"({first}) that only the 2-4-row loop uses")
+    assert later == 12345, (f"linear.h part 5: a call measured again ({later}) over a distance "
+                            "already set: measure only while there is none")
+
+
 def test_the_build_targets_this_cpus_widest_vectors(kmod):
     """-march=native: AVX-512 where the CPU has it, else AVX2 with FMA, NEON on aarch64; the
     module says which (``vector_isa``, printed in the benchmarks' headers)."""

@@ -3,13 +3,16 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <pthread.h>
+#include <sys/mman.h>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>

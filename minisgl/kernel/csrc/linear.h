@@ -8,14 +8,16 @@ namespace {
 // one after another in memory, so the loop reads the weight front to back, a single stream.
 // Each weight vector meets the MM rows of x (in L1), into U partial sums per row: an FMA into a
 // sum waits for the one before it, and 8 to 16 independent sums keep loads and FMAs in flight.
-// The loop asks for the line kAhead floats ahead into L2 (locality 1: prefetcht2 on x86): a core
+// The loop asks for the line g_ahead floats ahead into L2 (locality 1: prefetcht2 on x86): a core
 // has only so many loads waiting for memory, and with 3 or 4 rows of x the instructions between
-// two weight lines keep the hardware from looking far enough ahead by itself.
-constexpr int64_t kAhead = 2048;  // floats: 8 KB, a few weight rows
+// two weight lines keep the hardware from looking far enough ahead by itself. How far is best
+// depends on the CPU, so the distance is measured once, before the loop first runs (part 4).
+int64_t g_ahead = -1;  // floats; -1: not measured yet
 
 template <int MM, int U>
 void linear_few_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
                      const float* bias, float* y, int64_t ldy, int64_t lo, int64_t hi) {
+  const int64_t ahead = g_ahead;
   for (int64_t n = lo; n < hi; ++n) {
     const float* wn = w + n * ldw;
     vecf acc[MM][U] = {};
@@ -23,7 +25,7 @@ void linear_few_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, i
     for (; k + U * kLanes <= K; k += U * kLanes)
       for (int u = 0; u < U; ++u) {
         if (MM > 1 && u * kLanes % 16 == 0)  // one row: the hardware keeps up by itself
-          __builtin_prefetch(wn + k + u * kLanes + kAhead, 0, 1);
+          __builtin_prefetch(wn + k + u * kLanes + ahead, 0, 1);
         const vecf a = loadv(wn + k + u * kLanes);
         for (int m = 0; m < MM; ++m) acc[m][u] += loadv(x + m * ldx + k + u * kLanes) * a;
       }
@@ -270,7 +272,7 @@ const float* thread_xt(uint64_t call, const float* x, int64_t ldx, int64_t M, in
 }
 
 }  // namespace
-// --- part 4: reading ahead, and the function Python calls ---
+// --- part 4: reading ahead ---
 namespace {
 
 // Which weight followed which, call by call. A decode step calls the same matmuls in the same
@@ -312,7 +314,61 @@ ReadAhead plan_read_ahead(const float* w) {
   return ahead;
 }
 
+// A call's output features go to the threads in chunks of this many or more: 4 chunks per thread
+// (a paused thread holds back a quarter of its share), each 64 KB of the weight or more.
+int64_t chunk_rows(int64_t N, int64_t K) {
+  return std::max<int64_t>((64 << 10) / (4 * std::max<int64_t>(K, 1)), N / (4 * workers().size()));
+}
+
+// How far ahead the 2-4-row loop (part 1) asks for the weight, measured. The best distance
+// differs from CPU to CPU. An AMD Zen 4 (AVX-512) did best at 8 KB of 4 to 32 KB. A Zen 2 (AVX2)
+// did best at 1 KB, and from 1.25 KB on its decode steps of 2 to 4 rows were as slow as at 8 KB:
+// a prefetch that has to go all the way to memory likely holds one of the core's few miss
+// buffers until the line arrives, while one a little ahead of the loop finds its line already
+// on its way (the hardware's own prefetcher runs ahead of a stream by itself).
+// So before the loop first runs, a weight four times the last-level cache (256 MB at most) is
+// streamed through it with 4 rows of x, on all the threads and in the chunks a matmul takes, at
+// each distance in turn, 3 rounds; the distance of the fastest pass is kept.
+constexpr int64_t kAheads[] = {0, 128, 192, 256, 320, 384, 512, 1024, 2048, 4096};  // floats
+
+std::vector<double> time_aheads(int rounds) {  // each distance's fastest pass, in seconds
+  const int64_t K = 1024, page = 2 << 20;  // whole 2 MB pages (aligned_alloc wants whole ones)
+  const int64_t bytes = (std::min<int64_t>(4 * cache_bytes(), 256 << 20) + page - 1) / page * page;
+  const int64_t N = bytes / (4 * K);
+  std::unique_ptr<float, decltype(&std::free)> w(
+      static_cast<float*>(std::aligned_alloc(page, bytes)), &std::free);
+  TORCH_CHECK(w, "no memory for the prefetch distance's test weight (", bytes >> 20, " MB)");
+#ifdef MADV_HUGEPAGE
+  madvise(w.get(), bytes, MADV_HUGEPAGE);  // 2 MB pages, as the Engine's weights (weights.py)
+#endif
+  std::fill_n(w.get(), N * K, 0.5f);
+  std::vector<float> x(4 * K, 1.0f), y(4 * N);
+  const int64_t chunk = std::max<int64_t>(1, chunk_rows(N, K) / kTileRows) * kTileRows;
+  std::vector<double> best(std::size(kAheads), 1e30);
+  const int64_t saved = g_ahead;
+  for (int r = 0; r < rounds; ++r)
+    for (size_t i = 0; i < best.size(); ++i) {
+      g_ahead = kAheads[i];
+      const auto t0 = std::chrono::steady_clock::now();
+      workers().run(N, chunk, [&](int64_t lo, int64_t hi) {
+        linear_rows(x.data(), K, 4, w.get(), K, K, nullptr, y.data(), N, lo, hi);
+      });
+      const std::chrono::duration<double> t = std::chrono::steady_clock::now() - t0;
+      best[i] = std::min(best[i], t.count());
+    }
+  g_ahead = saved;
+  return best;
+}
+
+// Measures every distance, keeps the fastest, and returns each one's time (for the benchmarks).
+std::vector<double> measure_ahead(int rounds) {
+  const std::vector<double> t = time_aheads(rounds);
+  g_ahead = kAheads[std::min_element(t.begin(), t.end()) - t.begin()];
+  return t;
+}
+
 }  // namespace
+// --- part 5: the function Python calls ---
 
 // What the workers read ahead after a call with weight w, as (address, bytes) spans; and the
 // budget for it (0: nothing is read ahead), returning the previous one. For tests and
@@ -327,6 +383,25 @@ std::vector<std::pair<int64_t, int64_t>> read_ahead_plan(torch::Tensor w) {
 int64_t set_read_ahead(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "read-ahead budget must be >= 0 bytes, got ", bytes);
   return std::exchange(g_read_ahead, bytes);
+}
+
+// How far ahead the 2-4-row loop prefetches, in floats (measured first if it is not yet); a new
+// distance in its place, returning the old (-1: not measured yet); a new measurement, returning
+// each distance's fastest pass in seconds. For tests and benchmarks: the results never change.
+int64_t prefetch_ahead() {
+  if (g_ahead < 0) measure_ahead(3);
+  return g_ahead;
+}
+int64_t set_prefetch_ahead(int64_t floats) {
+  TORCH_CHECK(floats >= 0, "prefetch distance must be >= 0 floats, got ", floats);
+  return std::exchange(g_ahead, floats);
+}
+std::vector<std::pair<int64_t, double>> measure_prefetch_ahead(int64_t rounds) {
+  TORCH_CHECK(rounds >= 1, "rounds must be >= 1, got ", rounds);
+  const std::vector<double> t = measure_ahead((int)rounds);
+  std::vector<std::pair<int64_t, double>> out;
+  for (size_t i = 0; i < t.size(); ++i) out.emplace_back(kAheads[i], t[i]);
+  return out;
 }
 
 int64_t vector_lanes() { return kLanes; }  // floats per vector in this build
@@ -359,9 +434,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldw = w.stride(0);
-  // chunks: 4 per thread (a paused thread holds back a quarter of its share), 64 KB or more
-  const int64_t rows = std::max<int64_t>((64 << 10) / (4 * std::max<int64_t>(K, 1)),
-                                         N / (4 * workers().size()));
+  const int64_t rows = chunk_rows(N, K);
   const int64_t chunk = std::max<int64_t>(1, rows / kTileRows) * kTileRows;
   record_call(wp, ((N - 1) * ldw + K) * 4);
   const ReadAhead ahead = plan_read_ahead(wp);
@@ -375,6 +448,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     }, ahead);
     return y;
   }
+  if (M >= 2 && M <= 4 && g_ahead < 0) measure_ahead(3);  // before the loop first runs
   workers().run(N, chunk, [&](int64_t lo, int64_t hi) {
     linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi);
   }, ahead);
