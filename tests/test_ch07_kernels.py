@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import math
 import os
 import pathlib
 import signal
@@ -431,7 +432,9 @@ def test_the_prefetch_distance_is_the_fastest_one_measured(kmod):
         dists = [d for d, _ in times]
         assert dists == sorted(set(dists)) and dists[0] == 0 and len(dists) >= 3, (
             f"linear.h part 4: the candidates {dists} should run from 0 (no prefetch) upwards")
-        assert all(t > 0 for _, t in times), f"linear.h part 4: a pass took no time: {times}"
+        assert all(math.isfinite(t) and 0 < t < 60 for _, t in times), (
+            f"linear.h part 4: every distance needs a real time (a pass over at most 256 MB): "
+            f"{times}")
         best = min(times, key=lambda p: p[1])[0]
         assert kmod.prefetch_ahead() == best, (
             f"linear.h part 4: kept {kmod.prefetch_ahead()} floats, but the fastest pass was "
@@ -455,6 +458,25 @@ first = mod.set_prefetch_ahead(12345)
 mod.linear(torch.randn(3, 64), w, None)
 print(first, mod.set_prefetch_ahead(0))
 """
+
+
+GETTER_SCRIPT = r"""
+from minisgl import kernel
+mod = kernel.load()
+print(mod.prefetch_ahead(), mod.set_prefetch_ahead(7))
+"""
+
+
+def test_asking_for_the_prefetch_distance_measures_it_first(kmod):
+    """In a fresh process nothing has measured the distance yet: ``prefetch_ahead()`` must
+    measure it (a distance >= 0, then kept), not hand back the -1 that means "not yet"."""
+    out = run_script(GETTER_SCRIPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got, kept = (int(v) for v in out.stdout.split())
+    assert got >= 0, (f"linear.h part 5: prefetch_ahead() returned {got} in a fresh process: "
+                      "measure the distance when there is none yet")
+    assert kept == got, (f"linear.h part 5: prefetch_ahead() said {got}, but the distance kept "
+                         f"was {kept}")
 
 
 @pytest.mark.parametrize("rows, measured", [("1,5,8,16", False), ("2", True), ("4,3", True)])
