@@ -460,6 +460,35 @@ print(first, mod.set_prefetch_ahead(0))
 """
 
 
+NO_MEMORY_SCRIPT = r"""
+import resource, torch
+from minisgl import kernel
+mod = kernel.load()
+w, x = torch.randn(256, 64), torch.randn(3, 64)
+want = x.double() @ w.double().T
+mod.linear(torch.randn(1, 64), w, None)  # the workers started before the limit
+vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) << 10
+resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
+y = mod.linear(x, w, None)  # the first 3-row call: no room for the measurement's weight
+print(mod.set_prefetch_ahead(0), (y.double() - want).abs().max().item())
+"""
+
+
+def test_without_memory_for_the_measurement_the_matmul_still_runs(kmod):
+    """The measurement needs a weight four times the last-level cache; where that memory cannot
+    be had (here: an address-space limit 16 MB above what the process uses), ``linear`` must
+    still compute, with some distance >= 0, not fail: a prefetch distance is only a hint."""
+    if not pathlib.Path("/proc/self/status").exists():
+        pytest.skip("needs /proc/self/status to set the limit just above the process's size")
+    out = run_script(NO_MEMORY_SCRIPT)
+    assert out.returncode == 0, (f"linear.h part 4: a 3-row linear failed when the "
+                                 f"measurement had no memory: {out.stderr[-2000:]}")
+    kept, err = out.stdout.split()
+    assert int(kept) >= 0 and float(err) < 1e-3, (
+        f"linear.h part 4: without memory to measure, the distance is {kept} and the result "
+        f"off by {err}")
+
+
 GETTER_SCRIPT = r"""
 from minisgl import kernel
 mod = kernel.load()
