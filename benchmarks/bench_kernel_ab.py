@@ -9,7 +9,10 @@ runs every batch size with one library, then with the other, swapped in by point
 ``minisgl.kernel._MODULE`` and the "cpp" attention backend at it; the Python side (the ops, the
 wrappers, ``place_weights``) stays this tree's. Reported per batch size: the median step of each
 build and the median of the per-round ratios ("paired"), which drift between rounds moves much
-less than it moves two separate runs. Both builds must give the same greedy tokens.
+less than it moves two separate runs. Both builds must give the same greedy tokens. Where the
+revision measures the 2-4-row loop's prefetch distance too (``set_prefetch_ahead``), it is given
+this tree's, measured once: two measurements may pick neighbouring distances, a difference in
+speed that is not the change's.
 
 Why not the matmuls alone? A benchmark that calls ``linear`` back to back with one x leaves x in
 both cores' caches; in a step, x was just written by the calling thread (a norm, attention,
@@ -105,6 +108,8 @@ def run(args) -> str:
                 raise SystemExit("cpu_kernels=True but the Engine runs the torch code")
             runner = MinisglRunner(engine, tok)
             builds = {"this tree": current, args.against: other}
+            if hasattr(other, "set_prefetch_ahead"):  # one measured distance for both builds
+                other.set_prefetch_ahead(current.prefetch_ahead())
 
             def use(name: str) -> None:
                 kernel._MODULE = builds[name]
