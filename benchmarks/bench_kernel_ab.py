@@ -99,9 +99,10 @@ def run(args) -> str:
     tok = AutoTokenizer.from_pretrained(model)
     with tempfile.TemporaryDirectory(prefix="minisgl-kernel-ab-") as tmp:
         other = build_at(args.against, Path(tmp))
+        rows = max(*batches, len(PROMPTS))  # the token check runs all the prompts at once
         engine = Engine(EngineConfig(
             model_path=str(model), tp_info=DistributedInfo(0, 1), dtype=torch.float32,
-            max_running_req=max(batches), num_page_override=max(batches) * 256,
+            max_running_req=rows, num_page_override=rows * 256,
             max_seq_len_override=256, cpu_kernels=True, num_threads=args.threads))
         try:
             if engine.config.attention_backend != "cpp":
