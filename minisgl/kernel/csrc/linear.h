@@ -345,7 +345,6 @@ std::vector<double> time_aheads(int rounds) {  // each distance's fastest pass, 
   std::vector<float> x(4 * K, 1.0f), y(4 * N);
   const int64_t chunk = std::max<int64_t>(1, chunk_rows(N, K) / kTileRows) * kTileRows;
   std::vector<double> best(std::size(kAheads), 1e30);
-  const int64_t saved = g_ahead;
   for (int r = 0; r < rounds; ++r)
     for (size_t i = 0; i < best.size(); ++i) {
       g_ahead = kAheads[i];
@@ -356,8 +355,7 @@ std::vector<double> time_aheads(int rounds) {  // each distance's fastest pass, 
       const std::chrono::duration<double> t = std::chrono::steady_clock::now() - t0;
       best[i] = std::min(best[i], t.count());
     }
-  g_ahead = saved;
-  return best;
+  return best;  // g_ahead is left at the last distance: measure_ahead sets it
 }
 
 // Measures every distance, keeps the fastest, and returns each one's time (for the benchmarks).
@@ -454,7 +452,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     }, ahead);
     return y;
   }
-  if (M >= 2 && M <= 4 && g_ahead < 0) measure_ahead(3);  // before the loop first runs
+  if (M >= 2 && M <= 4) prefetch_ahead();  // measured before the 2-4-row loop first runs
   workers().run(N, chunk, [&](int64_t lo, int64_t hi) {
     linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi);
   }, ahead);
