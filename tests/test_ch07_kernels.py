@@ -399,6 +399,61 @@ def test_reading_ahead_freed_memory_is_harmless(kmod):
         f"exit status {out.returncode}: {out.stderr[-3000:]}")
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_caller_takes_chunks_from_the_back_and_the_workers_from_the_front(kmod, threads):
+    """``Workers::run`` (csrc/common.h): the workers take a call's chunks from the front, the
+    caller from the back, each chunk exactly once. The front is what a worker read ahead
+    into its own cache; a caller that took chunks from there (or a shared counter) would still
+    give the right results, only slower, so the order itself is checked here."""
+    with Threads(threads):
+        for n, chunk in [(10, 1), (37, 4), (3, 1), (640, 64), (12, 12)]:
+            count = -(-n // chunk)
+            for _ in range(20):  # a worker may be slow to wake; 300 µs per chunk lets it join
+                caller, others = kmod.split_order(n, chunk, 300)
+                if others or count == 1:
+                    break
+            assert sorted(caller + others) == list(range(count)), (
+                f"{n} items in chunks of {chunk}: every chunk exactly once, got the caller's "
+                f"{caller} and the workers' {others}")
+            assert caller == list(range(count - 1, count - 1 - len(caller), -1)), (
+                f"the caller takes chunks from the back, one after another: got {caller} of "
+                f"{count}")
+            assert sorted(others) == list(range(len(others))), (
+                f"the workers take chunks from the front: got {others} of {count}")
+            if count > 1:
+                assert others and caller, (
+                    f"{count} chunks of 300 µs each: both the caller and a worker should have "
+                    f"taken some (caller {caller}, workers {others})")
+            if threads == 2:
+                assert others == sorted(others), f"one worker goes front to back: {others}"
+
+
+BUDGET_SCRIPT = r"""
+from minisgl import kernel
+print(kernel.load().set_read_ahead(0))
+"""
+
+
+def test_the_read_ahead_budget_is_one_cores_l2(kmod):
+    """What a worker reads ahead by default is what one core's L2 holds (sysfs names it; 512 KiB
+    where it does not): more spills into the shared last-level cache and pushes out what the
+    caller needs next (chapter 07, part 4 of linear.h). Read in a fresh process, before any
+    test has changed it."""
+    want = 512 << 10
+    for index in sorted(pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, size = (index / "level").read_text().strip(), (index / "size").read_text()
+        except OSError:
+            continue
+        if level == "2" and size.strip().endswith("K"):
+            want = int(size.strip()[:-1]) << 10
+            break
+    out = run_script(BUDGET_SCRIPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) == want, (
+        f"the default read-ahead budget is {out.stdout.strip()} bytes; one core's L2 is {want}")
+
+
 def test_the_prefetch_distance_never_changes_a_result(kmod):
     """Part 1's loop prefetches `g_ahead` floats ahead (measured in part 4): a hint to the memory
     system, so every distance gives the same bits, on every loop of 1 to 7 rows, with K a whole

@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ w.T (+ bias) for a few rows of x");
   m.def("read_ahead_plan", &read_ahead_plan, "(address, bytes) the workers read ahead after w");
   m.def("set_read_ahead", &set_read_ahead, "bytes read ahead after a call (0: none); the old");
+  m.def("split_order", &split_order, "[chunks the caller took, chunks the workers took] of a "
+        "split of n items, each chunk waiting us microseconds first");
   m.def("prefetch_ahead", &prefetch_ahead, "floats the 2-4-row loop prefetches ahead (measured)");
   m.def("set_prefetch_ahead", &set_prefetch_ahead, "a new prefetch distance in floats; the old");
   m.def("measure_prefetch_ahead", &measure_prefetch_ahead, "measure again: (floats, fastest "
