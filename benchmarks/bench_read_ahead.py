@@ -4,8 +4,10 @@ Between two matmuls of a decode step the calling thread runs a norm, rope, atten
 layer's Python; memory sits idle meanwhile, and the kernels' worker thread would only spin.
 Since 2026-12-03 ``linear`` (csrc/linear.h) remembers which weight followed which, and after a
 call the workers prefetch the weights that followed it last time, up to a budget (by default
-the size of the CPU's last-level cache, read from sysfs; 8 MiB where Linux does not say). This benchmark sets that budget (``set_read_ahead``) between interleaved rounds, in
-one process and one Engine (``cpu_kernels=True``), and times:
+the size of one core's L2, read from sysfs, 512 KiB where Linux does not say; until 2026-12-06
+the last-level cache's, which cost a Zen 2 5-9% of its step). This benchmark sets that budget
+(``set_read_ahead``) between interleaved rounds, in one process and one Engine
+(``cpu_kernels=True``), and times:
 
 - decode steps (the milestone's ``step()``) at batch 1, 4 and 16;
 - the 121 matmuls of a step back to back (the Engine's own weights, one row, nothing between
@@ -15,7 +17,9 @@ one process and one Engine (``cpu_kernels=True``), and times:
   (chapters 01-06, ``cpu_kernels=False``, MKL's ``F.linear``) beside the kernels' with and
   without read-ahead.
 
-Budget 0 is the kernels without read-ahead. Ratios are against it (below 1: faster).
+Budget 0 is the kernels without read-ahead. Ratios are against it (below 1: faster): the
+median of the per-round ratios, which the host's drift between rounds moves less than it moves
+the medians themselves.
 
     python benchmarks/bench_read_ahead.py [--rounds 5] [--steps 24] [--threads N] [--no-readme]
 """
@@ -37,7 +41,7 @@ from benchmarks.bench_decode import Engines
 from benchmarks.measure import bench_parser, header, run_and_record
 
 BATCHES = (1, 4, 16)
-BUDGETS_MIB = (0, 2, 8, 32)
+BUDGETS = (0, 2 << 20, 8 << 20, 32 << 20)  # bytes; the default joins them
 BUSY = (1, 4)  # busy processes beside the batch-1 steps
 
 
@@ -78,14 +82,20 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
     runner = engines.get(True)
     load_before = os.getloadavg()[0]
     default = mod.set_read_ahead(0)
+    budgets = sorted({*BUDGETS, default})
     times: dict[tuple, list[float]] = defaultdict(list)
+    rounds_ms: dict[tuple, list[float]] = defaultdict(list)  # one median per round: paired ratios
     try:
         for r in range(rounds):
-            for mib in (BUDGETS_MIB if r % 2 == 0 else BUDGETS_MIB[::-1]):
-                mod.set_read_ahead(mib << 20)
+            for budget in (budgets if r % 2 == 0 else budgets[::-1]):
+                mod.set_read_ahead(budget)
                 for b in BATCHES:
-                    times[mib, b] += runner.decode_times(b, steps)
-                times[mib, "mm"] += matmul_times(engines.engine)
+                    got = runner.decode_times(b, steps)
+                    times[budget, b] += got
+                    rounds_ms[budget, b].append(statistics.median(got))
+                got = matmul_times(engines.engine)
+                times[budget, "mm"] += got
+                rounds_ms[budget, "mm"].append(statistics.median(got))
         for n_busy in BUSY:
             busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                     for _ in range(n_busy)]
@@ -106,30 +116,36 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
     engines.close()
 
     ms = {key: statistics.median(v) * 1e3 for key, v in times.items()}
+
+    def paired(budget, c) -> float:
+        return statistics.median(a / z for a, z in zip(rounds_ms[budget, c], rounds_ms[0, c]))
+
+    def size(n: int) -> str:
+        return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n >> 10} KiB"
     cols = [*BATCHES, "mm"]
     lines = [
         (f"{header(model_path, 'float32, `cpu_kernels=True`', threads)}; medians of {rounds} "
          f"interleaved rounds "
          f"(x {steps} decode steps, x 5 passes over the matmuls); default budget "
-         f"{default / 2**20:g} MiB; load average before / after {load_before:.1f} / "
+         f"{size(default)}; load average before / after {load_before:.1f} / "
          f"{os.getloadavg()[0]:.1f}."),
         "",
-        "ms (against no read-ahead):",
+        "ms (against no read-ahead, the median of the per-round ratios):",
         "",
         "| read-ahead | " + " | ".join(f"decode step, batch {b}" for b in BATCHES)
         + " | 121 matmuls back to back, 1 row |",
         "|---|" + "---:|" * len(cols),
     ]
-    for mib in BUDGETS_MIB:
-        label = "none (budget 0)" if mib == 0 else f"{mib} MiB" + (
-            " (the default)" if mib << 20 == default else "")
-        cells = [f"{ms[mib, c]:.1f}" + ("" if mib == 0 else f" ({ms[mib, c] / ms[0, c]:.2f}x)")
+    for budget in budgets:
+        label = "none (budget 0)" if budget == 0 else size(budget) + (
+            " (the default)" if budget == default else "")
+        cells = [f"{ms[budget, c]:.1f}" + ("" if budget == 0 else f" ({paired(budget, c):.2f}x)")
                  for c in cols]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", ("Beside busy processes (each a Python loop), decode step at batch 1, ms "
                    "(against your code's step, whose matmuls are MKL's `F.linear`):"), "",
               ("| busy processes | your code (`cpu_kernels=False`) | kernels, no read-ahead | "
-               f"kernels, {default / 2**20:g} MiB read-ahead (the default) |"),
+               f"kernels, {size(default)} read-ahead (the default) |"),
               "|---:|---:|---:|---:|"]
     for n in BUSY:
         t, off, on = (ms[job, "busy", n] for job in ("torch", 0, default))

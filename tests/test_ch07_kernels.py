@@ -426,6 +426,14 @@ def test_the_caller_takes_chunks_from_the_back_and_the_workers_from_the_front(km
                     f"taken some (caller {caller}, workers {others})")
             if threads == 2:
                 assert others == sorted(others), f"one worker goes front to back: {others}"
+        # many chunks that take no time: the threads take them as fast as they can, so a take
+        # that is not one atomic step (a load, then a store) loses or repeats chunks here
+        for _ in range(10):
+            caller, others = kmod.split_order(20000, 1, 0)
+            assert sorted(caller + others) == list(range(20000)), (
+                f"20000 chunks taken at full speed: {len(caller) + len(others)} taken, "
+                f"{len(set(caller + others))} distinct; a chunk lost or taken twice")
+            assert caller == list(range(19999, 19999 - len(caller), -1))
 
 
 BUDGET_SCRIPT = r"""
