@@ -181,8 +181,8 @@ namespace {
 // two meet. A thread the OS has paused holds back one chunk at most, never the whole call (with
 // fixed shares, the call would wait for its share). The workers start at the front because
 // that is what they read ahead (below): lines a worker prefetched sit in its own core's cache,
-// and a caller that started there would fetch them from the other core (on a Zen 2, 2-4% of
-// the decode step at batches 1 to 4, 5% at 16, against one counter for all). After
+// and a caller that started there would fetch them from the other core (on a Zen 2, one
+// counter for all made the decode step 1-2% slower at batches 1 to 8). After
 // a call a worker spins for kSpin -- long enough to catch the next kernel of the same decode
 // step -- then sleeps on a condition variable: no thread burns a core between steps, or while
 // other programs need it (OpenMP's threads, torch's, spin for milliseconds).
