@@ -434,6 +434,10 @@ def test_the_caller_takes_chunks_from_the_back_and_the_workers_from_the_front(km
                 f"20000 chunks taken at full speed: {len(caller) + len(others)} taken, "
                 f"{len(set(caller + others))} distinct; a chunk lost or taken twice")
             assert caller == list(range(19999, 19999 - len(caller), -1))
+        assert kmod.split_order(0, 3, 0) == [[], []], "nothing to split: no chunk taken"
+        for bad in [(5, 0, 0), (-1, 1, 0), (5, 1, -1), (5, 1, 10**7)]:
+            with pytest.raises(RuntimeError, match="split_order needs n >= 0 items"):
+                kmod.split_order(*bad)
 
 
 BUDGET_SCRIPT = r"""

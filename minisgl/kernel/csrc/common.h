@@ -326,6 +326,9 @@ constexpr int64_t kRowGrain = 64;  // a prefill's rows per chunk in the small op
 // those the workers took. Each chunk first waits `us` microseconds, so that the workers have
 // time to join in.
 std::vector<std::vector<int64_t>> split_order(int64_t n, int64_t chunk, int64_t us) {
+  TORCH_CHECK(n >= 0 && chunk >= 1 && us >= 0 && us <= 1000000, "split_order needs n >= 0 "
+              "items, chunks of 1 or more and 0 to 1000000 us per chunk; got n=", n, ", chunk=",
+              chunk, ", us=", us);
   std::mutex mu;
   std::vector<std::vector<int64_t>> took(2);
   const auto caller = std::this_thread::get_id();
