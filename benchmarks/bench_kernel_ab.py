@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.measure import PROMPTS, ROOT, MinisglRunner, header, median_ms  # noqa: E402
+from benchmarks.measure import PROMPTS, ROOT, MinisglRunner, header, median_ms, paired_ratio
 
 KERNEL_DIR = "minisgl/kernel"
 NEEDED = ("linear", "rmsnorm", "fused_add_rmsnorm", "rope_inplace", "silu_and_mul", "store_kv",
@@ -141,7 +141,7 @@ def run(args) -> str:
              f"`{args.against}`, paired |", "|---:|---:|---:|---:|"]
     for b in batches:
         a, o = steps[(b, "this tree")], steps[(b, args.against)]
-        paired = statistics.median(x / y for x, y in zip(a, o))
+        paired = paired_ratio(a, o)
         lines.append(f"| {b} | {statistics.median(a):.2f} | {statistics.median(o):.2f} | "
                      f"{paired:.3f}x |")
     if not same:

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_decode import Engines
-from benchmarks.measure import bench_parser, header, run_and_record
+from benchmarks.measure import bench_parser, header, paired_ratio, run_and_record
 
 BATCHES = (1, 4, 16)
 BUDGETS = (0, 2 << 20, 8 << 20, 32 << 20)  # bytes; the default joins them
@@ -117,9 +117,6 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
 
     ms = {key: statistics.median(v) * 1e3 for key, v in times.items()}
 
-    def paired(budget, c) -> float:
-        return statistics.median(a / z for a, z in zip(rounds_ms[budget, c], rounds_ms[0, c]))
-
     def size(n: int) -> str:
         return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n >> 10} KiB"
     cols = [*BATCHES, "mm"]
@@ -139,8 +136,10 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
     for budget in budgets:
         label = "none (budget 0)" if budget == 0 else size(budget) + (
             " (the default)" if budget == default else "")
-        cells = [f"{ms[budget, c]:.1f}" + ("" if budget == 0 else f" ({paired(budget, c):.2f}x)")
-                 for c in cols]
+        cells = [f"{ms[budget, c]:.1f}" for c in cols]
+        if budget:
+            cells = [f"{cell} ({paired_ratio(rounds_ms[budget, c], rounds_ms[0, c]):.2f}x)"
+                     for cell, c in zip(cells, cols)]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", ("Beside busy processes (each a Python loop), decode step at batch 1, ms "
                    "(against your code's step, whose matmuls are MKL's `F.linear`):"), "",

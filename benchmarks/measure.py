@@ -160,6 +160,12 @@ def median_ms(xs: Sequence[float]) -> float:
     return statistics.median(xs) * 1e3
 
 
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """The median of ``a[i] / b[i]``: two contenders timed in the same rounds. The host's drift
+    between rounds moves it much less than it moves the ratio of the two medians."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def read_bandwidth(gib: float = 1.0, repeats: int = 9) -> float:
     """Bytes per second of a read-only pass (``x.sum()``) over ``gib`` GiB of float32."""
     rp = ReadPass(gib)

@@ -319,10 +319,13 @@ ReadAhead plan_read_ahead(const float* w) {
   return ahead;
 }
 
-// A call's output features go to the threads in chunks of this many or more: 4 chunks per thread
-// (a paused thread holds back a quarter of its share), each 64 KB of the weight or more.
-int64_t chunk_rows(int64_t N, int64_t K) {
-  return std::max<int64_t>((64 << 10) / (4 * std::max<int64_t>(K, 1)), N / (4 * workers().size()));
+// A call's output features go to the threads in chunks of about this many: 4 chunks per thread
+// (a paused thread holds back a quarter of its share), each 64 KB of the weight or more, in
+// whole tiles of `tile` weight rows.
+int64_t chunk_rows(int64_t N, int64_t K, int64_t tile) {
+  const int64_t rows = std::max<int64_t>((64 << 10) / (4 * std::max<int64_t>(K, 1)),
+                                         N / (4 * workers().size()));
+  return std::max<int64_t>(1, rows / tile) * tile;
 }
 
 // How far ahead the 2-4-row loop (part 1) asks for the weight, measured. The best distance
@@ -348,7 +351,7 @@ std::vector<double> time_aheads(int rounds) {  // each distance's fastest pass, 
 #endif
   std::fill_n(w.get(), N * K, 0.5f);
   std::vector<float> x(4 * K, 1.0f), y(4 * N);
-  const int64_t chunk = std::max<int64_t>(1, chunk_rows(N, K) / kTileRows) * kTileRows;
+  const int64_t chunk = chunk_rows(N, K, kTileRows);
   std::vector<double> best(std::size(kAheads), 1e30);
   for (int r = 0; r < rounds; ++r)
     for (size_t i = 0; i < best.size(); ++i) {
@@ -443,22 +446,20 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldw = w.stride(0);
-  const int64_t rows = chunk_rows(N, K);
-  const int64_t chunk = std::max<int64_t>(1, rows / kTileRows) * kTileRows;
   record_call(wp, ((N - 1) * ldw + K) * 4);
   const ReadAhead ahead = plan_read_ahead(wp);
   if (M >= kManyRows && M <= 4 * kLanes) {  // part 2
     const int64_t lanes = lanes_for_rows(M);
     const int mv = (int)((M + lanes - 1) / lanes);
     const uint64_t call = ++g_linear_calls;
-    workers().run(N, std::max<int64_t>(1, rows / 12) * 12, [&](int64_t lo, int64_t hi) {
+    workers().run(N, chunk_rows(N, K, 12), [&](int64_t lo, int64_t hi) {
       const float* xt = thread_xt(call, xp, ldx, M, K, mv * lanes);
       linear_rows_many(xt, lanes, mv, M, wp, ldw, K, bp, yp, N, lo, hi);
     }, ahead);
     return y;
   }
   if (M >= 2 && M <= 4) prefetch_ahead();  // measured before the 2-4-row loop first runs
-  workers().run(N, chunk, [&](int64_t lo, int64_t hi) {
+  workers().run(N, chunk_rows(N, K, kTileRows), [&](int64_t lo, int64_t hi) {
     linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi);
   }, ahead);
   return y;
