@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ w.T (+ bias) for a few rows of x");
   m.def("read_ahead_plan", &read_ahead_plan, "(address, bytes) the workers read ahead after w");
   m.def("set_read_ahead", &set_read_ahead, "bytes read ahead after a call (0: none); the old");
+  m.def("weight_buffer", &weight_buffer, "nbytes of zeroed memory on a 2 MB boundary, in 2 MB "
+        "pages where the OS has them: the only memory the workers read ahead");
   m.def("split_order", &split_order, "[chunks the caller took, chunks the workers took] of a "
         "split of n items, each chunk waiting us microseconds first");
   m.def("prefetch_ahead", &prefetch_ahead, "floats the 2-4-row loop prefetches ahead (measured)");

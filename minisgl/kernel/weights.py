@@ -6,39 +6,36 @@ MB, and it walks the page table again every 4 KB; with 2 MB pages (Linux's trans
 pages, asked for with ``madvise``) the translations of all the weights stay cached. The
 weights are copied into one buffer that starts on a 2 MB boundary, in state-dict order, each on
 its own cache line, and swapped in one at a time (each loader tensor is freed before the next
-copy). Without huge pages (another OS, THP set to ``never``) it is plain memory: the same
-values, the same speed as before.
+copy). Without huge pages (THP set to ``never``) it is plain memory: the same values, the same
+speed as before.
 """
 
 from __future__ import annotations
 
-import mmap
-
 import torch
 
-HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64 and arm64 Linux
 LINE = 64  # bytes: each weight starts a cache line
 
 
 def weight_buffer(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of zeroed memory (uint8) starting on a 2 MB boundary, huge pages asked for."""
-    try:  # private and anonymous: a shared mapping would be shmem, whose huge pages are off
-        mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (AttributeError, TypeError):  # no such mmap here (Windows): plain memory
-        return torch.zeros(nbytes, dtype=torch.uint8)
-    except OSError as e:
+    """``nbytes`` of zeroed memory (uint8) starting on a 2 MB boundary, huge pages asked for.
+
+    The kernels' library maps it (``weight_buffer``, ``csrc/linear.h`` part 4) and so knows when
+    it is freed: its workers read ahead there and nowhere else (chapter 07, reading ahead)."""
+    from minisgl import kernel  # not at the top: the package imports this module
+
+    module = kernel.load()
+    if module is None:
+        raise RuntimeError(f"the weight buffer is mapped by the C++ kernels, which are not "
+                           f"available here ({kernel.unavailable_reason()}): build the Engine "
+                           f"with cpu_kernels=False")
+    try:
+        return module.weight_buffer(nbytes)
+    except torch.OutOfMemoryError as e:
         raise MemoryError(
             f"cannot map {nbytes / 1e6:.0f} MB for the weights in 2 MB pages ({e}): the Engine "
             "copies them there once, one tensor at a time. Free some memory, lower "
             "memory_ratio, or build the Engine with cpu_kernels=False.") from e
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; asked before any page is touched
-        try:
-            mm.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel built without THP: 4 KB pages, the same values
-            pass
-    raw = torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping alive while viewed
-    start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start:start + nbytes]
 
 
 def _swap_in(model, key: str, tensor: torch.Tensor) -> None:

@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -173,20 +174,16 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t n, float 
 }
 
 }  // namespace
-// --- part 3: threads ---
+// --- part 3: a call's chunks ---
 namespace {
 
-// The kernels' threads. The caller and (threads - 1) workers share a call's items, `chunk`
-// items at a time: the workers take chunks from the front, the caller from the back, until the
-// two meet. A thread the OS has paused holds back one chunk at most, never the whole call (with
-// fixed shares, the call would wait for its share). The workers start at the front because
-// that is what they read ahead (below): lines a worker prefetched sit in its own core's cache,
-// and a caller that started there would fetch them from the other core (on a Zen 2, one
-// counter for all made the decode step 1-2% slower at batches 1 to 8). After
-// a call a worker spins for kSpin -- long enough to catch the next kernel of the same decode
-// step -- then sleeps on a condition variable: no thread burns a core between steps, or while
-// other programs need it (OpenMP's threads, torch's, spin for milliseconds).
-constexpr auto kSpin = std::chrono::microseconds(1000);
+// The caller and (threads - 1) workers share a call's items, `chunk` items at a time: the
+// workers take chunks from the front, the caller from the back, until the two meet. A thread
+// the OS has paused holds back one chunk at most, never the whole call (with fixed shares, the
+// call would wait for its share). The workers start at the front because that is what they
+// read ahead (part 4): lines a worker read sit in its own core's cache, and a caller that
+// started there would fetch them from the other core (on a Zen 2, one counter for all made the
+// decode step 1-2% slower at batches 1 to 8).
 
 // Memory a call asks the workers to read ahead once its chunks are taken: the weights the next
 // calls will read (linear.h). Between two matmuls of a decode step the caller runs a norm, rope,
@@ -196,30 +193,58 @@ struct ReadAhead {
   const char* lo[kSpans] = {};
   const char* hi[kSpans] = {};
   int n = 0;
+  uint64_t frees = 0;  // g_frees when the spans were planned
 };
 
+// The workers read ahead with plain loads, which bring each line into the reading core's cache for
+// sure; a prefetch is only a hint, which the core may drop (on a Zen 2 the decode step at batch 1
+// gained 3% with loads, nothing with prefetches). A load of freed memory kills the process, so the
+// workers read only memory that cannot be freed while they read it: the Engine's weight buffer
+// (linear.h, part 4), whose deleter first counts itself in g_frees and then waits until no worker
+// reads. A worker counts itself in g_reading before it first looks at g_frees, so either the
+// deleter sees it and waits, or it sees the new count and reads nothing of a plan made before the
+// free.
+std::atomic<uint64_t> g_frees{0};  // buffers the workers may read that were freed so far
+std::atomic<int> g_reading{0};     // workers reading ahead right now
+
+void before_free() {  // called before memory the workers may read is unmapped
+  ++g_frees;
+  while (g_reading.load() > 0) cpu_relax();
+}
+
+struct Job {  // one call, on the caller's stack; the workers reach it through Workers::job_
+  void (*call)(const void* fn, int64_t lo, int64_t hi);
+  const void* fn;
+  int64_t total, chunk, chunks;
+  ReadAhead ahead;
+  std::atomic<int64_t> ends{0}, done{0};  // not yet taken [front, back): back << 32 | front
+  int64_t take(bool back) {  // the next chunk from the front or the back; -1: none left
+    // one atomic word holds both ends, so a compare-exchange moves one end only if the other
+    // has not moved meanwhile: the two can never take the same chunk
+    for (int64_t e = ends.load();;) {
+      const int64_t f = e & 0xffffffff, b = e >> 32;
+      if (f >= b) return -1;
+      if (ends.compare_exchange_weak(e, back ? (b - 1) << 32 | f : b << 32 | (f + 1)))
+        return back ? b - 1 : f;
+    }
+  }
+  void drain(bool back) {
+    for (int64_t c; (c = take(back)) >= 0; done.fetch_add(1))
+      call(fn, c * chunk, std::min(total, (c + 1) * chunk));
+  }
+};
+
+}  // namespace
+// --- part 4: threads that wait ---
+namespace {
+
+// The kernels' threads. After a call a worker reads ahead what the call named, then spins for
+// kSpin -- long enough to catch the next kernel of the same decode step -- then sleeps on a
+// condition variable: no thread burns a core between steps, or while other programs need it
+// (OpenMP's threads, torch's, spin for milliseconds).
+constexpr auto kSpin = std::chrono::microseconds(1000);
+
 class Workers {
-  struct Job {  // one call, on the caller's stack; the workers reach it through job_
-    void (*call)(const void* fn, int64_t lo, int64_t hi);
-    const void* fn;
-    int64_t total, chunk, chunks;
-    ReadAhead ahead;
-    std::atomic<int64_t> ends{0}, done{0};  // not yet taken [front, back): back << 32 | front
-    int64_t take(bool back) {  // the next chunk from the front or the back; -1: none left
-      // one atomic word holds both ends, so a compare-exchange moves one end only if the other
-      // has not moved meanwhile: the two can never take the same chunk
-      for (int64_t e = ends.load();;) {
-        const int64_t f = e & 0xffffffff, b = e >> 32;
-        if (f >= b) return -1;
-        if (ends.compare_exchange_weak(e, back ? (b - 1) << 32 | f : b << 32 | (f + 1)))
-          return back ? b - 1 : f;
-      }
-    }
-    void drain(bool back) {
-      for (int64_t c; (c = take(back)) >= 0; done.fetch_add(1))
-        call(fn, c * chunk, std::min(total, (c + 1) * chunk));
-    }
-  };
   std::vector<std::thread> threads_;
   std::atomic<Job*> job_{nullptr};
   std::atomic<uint64_t> gen_{0};              // one more per call: wakes the workers
@@ -229,11 +254,15 @@ class Workers {
   bool stop_ = false;
 
   void wait_for_call(uint64_t seen, const ReadAhead& ahead) {
-    // first prefetch the memory the last call named, 16 cache lines at a time, until a call
-    // comes: a prefetch is a hint, never a fault, even if that memory was freed since
+    // first read the memory the last call named, one load per cache line, until a call comes
+    // or a buffer is freed (part 3: g_reading counts this worker before it looks at g_frees)
+    ++g_reading;
     for (int s = 0; s < ahead.n; ++s)
-      for (const char* p = ahead.lo[s]; p < ahead.hi[s] && gen_.load() == seen;)
-        for (int j = 0; j < 16 && p < ahead.hi[s]; ++j, p += 64) __builtin_prefetch(p, 0, 1);
+      for (const char* p = ahead.lo[s];
+           p < ahead.hi[s] && gen_.load() == seen && g_frees.load() == ahead.frees;)
+        for (int j = 0; j < 16 && p < ahead.hi[s]; ++j, p += 64)
+          static_cast<void>(*reinterpret_cast<const volatile char*>(p));
+    --g_reading;
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 1; gen_.load() == seen; ++i) {
       // spin, and after the first few microseconds give the core to any other thread that
@@ -297,15 +326,18 @@ class Workers {
 };
 
 }  // namespace
-// --- part 4: one pool for the process ---
+// --- part 5: one pool for the process ---
 namespace {
 
 // One Workers for the process, with as many threads as torch has (the Engine's num_threads),
 // rebuilt when that number changes. A forked child has none of its parent's threads: it
-// starts without any.
+// starts without any, and none of them is reading ahead there.
 Workers* g_workers = nullptr;
 Workers& workers() {
-  static const int registered = pthread_atfork(nullptr, nullptr, [] { g_workers = nullptr; });
+  static const int registered = pthread_atfork(nullptr, nullptr, [] {
+    g_workers = nullptr;
+    g_reading.store(0);
+  });
   (void)registered;
   const int n = std::max(1, at::get_num_threads());
   if (g_workers == nullptr || g_workers->size() != n) {

@@ -305,19 +305,71 @@ void record_call(const float* w, int64_t bytes) {
   g_last = w;
 }
 
+// The memory the workers may read ahead: buffers this library mapped for the Engine's weights
+// (weight_buffer, below) and has not unmapped. A plan names only weights inside one of them.
+std::mutex g_buffers_mu;
+std::vector<std::pair<const char*, const char*>> g_buffers;  // [lo, hi) of each
+
+bool in_buffer(const char* lo, const char* hi) {  // with g_buffers_mu held
+  for (const auto& b : g_buffers)
+    if (b.first <= lo && hi <= b.second) return true;
+  return false;
+}
+
 ReadAhead plan_read_ahead(const float* w) {
   ReadAhead ahead;
+  ahead.frees = g_frees.load();  // before the buffers are looked at (part 3 of common.h)
+  std::lock_guard<std::mutex> lock(g_buffers_mu);
   int64_t left = g_read_ahead;
   for (auto it = g_after.find(w); it != g_after.end() && it->second.w != w &&
        ahead.n < ReadAhead::kSpans && left > 0; it = g_after.find(it->second.w)) {
     const int64_t b = std::min(left, it->second.bytes);
-    ahead.lo[ahead.n] = reinterpret_cast<const char*>(it->second.w);
-    ahead.hi[ahead.n] = ahead.lo[ahead.n] + b;
+    const char* lo = reinterpret_cast<const char*>(it->second.w);
+    if (!in_buffer(lo, lo + b)) break;  // a test's tensor, freed memory: not read
+    ahead.lo[ahead.n] = lo;
+    ahead.hi[ahead.n] = lo + b;
     ++ahead.n;
     left -= b;
   }
   return ahead;
 }
+
+// The Engine's weights, in one buffer of nbytes (weights.py copies them in): mapped here,
+// starting on a 2 MB boundary, with 2 MB pages asked for, and listed as memory the workers may
+// read. The last tensor that views it frees it: off the list first, then before_free() waits
+// for any worker still reading it, and only then is it unmapped.
+torch::Tensor weight_buffer(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, "weight_buffer needs 0 or more bytes, got ", nbytes);
+  const size_t page = 2 << 20, len = size_t(nbytes) + page;
+  // private and anonymous: a shared mapping would be shmem, whose huge pages are off by default
+  void* base = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK_WITH(OutOfMemoryError, base != MAP_FAILED, "mmap of ", len, " bytes failed: ",
+                   std::strerror(errno));
+  char* lo = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + page - 1) &
+                                     ~uintptr_t(page - 1));
+#ifdef MADV_HUGEPAGE
+  madvise(lo, nbytes, MADV_HUGEPAGE);  // refused (no huge pages here): 4 KB pages, same values
+#endif
+  {
+    std::lock_guard<std::mutex> lock(g_buffers_mu);
+    g_buffers.emplace_back(lo, lo + nbytes);
+  }
+  auto unmap = [base, len, lo](void*) {
+    {
+      std::lock_guard<std::mutex> lock(g_buffers_mu);
+      const auto it = std::find_if(g_buffers.begin(), g_buffers.end(),
+                                   [lo](const auto& b) { return b.first == lo; });
+      if (it != g_buffers.end()) g_buffers.erase(it);
+    }
+    before_free();
+    munmap(base, len);
+  };
+  return torch::from_blob(lo, {nbytes}, unmap, torch::TensorOptions().dtype(torch::kUInt8));
+}
+
+}  // namespace
+// --- part 5: how far ahead to prefetch ---
+namespace {
 
 // A call's output features go to the threads in chunks of about this many: 4 chunks per thread
 // (a paused thread holds back a quarter of its share), each 64 KB of the weight or more, in
@@ -379,7 +431,7 @@ std::vector<double> measure_ahead(int rounds) {
 }
 
 }  // namespace
-// --- part 5: the function Python calls ---
+// --- part 6: the function Python calls ---
 
 // What the workers read ahead after a call with weight w, as (address, bytes) spans; and the
 // budget for it (0: nothing is read ahead), returning the previous one. For tests and
