@@ -3,9 +3,11 @@
 Between two matmuls of a decode step the calling thread runs a norm, rope, attention and the
 layer's Python; memory sits idle meanwhile, and the kernels' worker thread would only spin.
 Since 2026-12-03 ``linear`` (csrc/linear.h) remembers which weight followed which, and after a
-call the workers prefetch the weights that followed it last time, up to a budget (by default
-the size of one core's L2, read from sysfs, 512 KiB where Linux does not say; until 2026-12-06
-the last-level cache's, which cost a Zen 2 5-9% of its step). This benchmark sets that budget
+call the workers read the weights that followed it last time, up to a budget (by default the
+size of one core's L2, read from sysfs, 512 KiB where Linux does not say; until 2026-12-06 the
+last-level cache's, which cost a Zen 2 5-9% of its step). Since session 47 they load one byte
+per line, and only inside the Engine's weight buffer (``weight_buffer``); before, they issued
+prefetch hints, which gained nothing on the Zen 2. This benchmark sets that budget
 (``set_read_ahead``) between interleaved rounds, in one process and one Engine
 (``cpu_kernels=True``), and times:
 
