@@ -318,7 +318,9 @@ bool in_buffer(const char* lo, const char* hi) {  // with g_buffers_mu held
 
 ReadAhead plan_read_ahead(const float* w) {
   ReadAhead ahead;
-  ahead.frees = g_frees.load();  // before the buffers are looked at (part 3 of common.h)
+  // g_frees before the buffers are looked at (part 3 of common.h): a free between the two then
+  // voids the plan. (Python plans and frees under its GIL, never at once; a C++ caller may not.)
+  ahead.frees = g_frees.load();
   std::lock_guard<std::mutex> lock(g_buffers_mu);
   int64_t left = g_read_ahead;
   for (auto it = g_after.find(w); it != g_after.end() && it->second.w != w &&
