@@ -447,7 +447,7 @@ def test_freeing_a_weight_buffer_while_the_workers_read_it_is_safe(kmod, threads
 
 def test_the_workers_read_ahead_with_loads(kmod):
     """What a worker reads ahead it loads, one byte per cache line (``wait_for_call``,
-    ``csrc/common.h`` part 4): a prefetch is a hint the core may drop, and on a Zen 2 it gained
+    ``csrc/common.h`` part 5): a prefetch is a hint the core may drop, and on a Zen 2 it gained
     0-1% of the batch-1 step where loads gain 3%. The results are the same either way, so read
     the worker's code in the cached library: its loop must load bytes, and prefetch nothing."""
     import platform

@@ -129,6 +129,10 @@ inline vecf sum_pairwise(const vecf* a) {
   else return sum_pairwise<U / 2>(a) + sum_pairwise<U - U / 2>(a + U / 2);
 }
 
+}  // namespace
+// --- part 3: dot products and e^x ---
+namespace {
+
 // sum(a[i] * b[i]) in four vectors of partial sums (the FMAs into one vector wait for each other)
 inline float dot(const float* a, const float* b, int64_t n) {
   vecf acc[4] = {};
@@ -174,14 +178,14 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t n, float 
 }
 
 }  // namespace
-// --- part 3: a call's chunks ---
+// --- part 4: a call's chunks ---
 namespace {
 
 // The caller and (threads - 1) workers share a call's items, `chunk` items at a time: the
 // workers take chunks from the front, the caller from the back, until the two meet. A thread
 // the OS has paused holds back one chunk at most, never the whole call (with fixed shares, the
 // call would wait for its share). The workers start at the front because that is what they
-// read ahead (part 4): lines a worker read sit in its own core's cache, and a caller that
+// read ahead (part 5): lines a worker read sit in its own core's cache, and a caller that
 // started there would fetch them from the other core (on a Zen 2, one counter for all made the
 // decode step 1-2% slower at batches 1 to 8).
 
@@ -235,7 +239,7 @@ struct Job {  // one call, on the caller's stack; the workers reach it through W
 };
 
 }  // namespace
-// --- part 4: threads that wait ---
+// --- part 5: threads that wait ---
 namespace {
 
 // The kernels' threads. After a call a worker reads ahead what the call named, then spins for
@@ -255,7 +259,7 @@ class Workers {
 
   void wait_for_call(uint64_t seen, const ReadAhead& ahead) {
     // first read the memory the last call named, one load per cache line, until a call comes
-    // or a buffer is freed (part 3: g_reading counts this worker before it looks at g_frees)
+    // or a buffer is freed (part 4: g_reading counts this worker before it looks at g_frees)
     ++g_reading;
     for (int s = 0; s < ahead.n; ++s)
       for (const char* p = ahead.lo[s];
@@ -326,7 +330,7 @@ class Workers {
 };
 
 }  // namespace
-// --- part 5: one pool for the process ---
+// --- part 6: one pool for the process ---
 namespace {
 
 // One Workers for the process, with as many threads as torch has (the Engine's num_threads),

@@ -318,7 +318,7 @@ bool in_buffer(const char* lo, const char* hi) {  // with g_buffers_mu held
 
 ReadAhead plan_read_ahead(const float* w) {
   ReadAhead ahead;
-  // g_frees before the buffers are looked at (part 3 of common.h): a free between the two then
+  // g_frees before the buffers are looked at (part 4 of common.h): a free between the two then
   // voids the plan. (Python plans and frees under its GIL, never at once; a C++ caller may not.)
   ahead.frees = g_frees.load();
   std::lock_guard<std::mutex> lock(g_buffers_mu);
