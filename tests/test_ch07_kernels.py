@@ -406,6 +406,18 @@ def test_weight_buffer_is_zeroed_aligned_and_says_when_it_cannot_be_had(kmod):
         kweights.weight_buffer(1 << 50)  # a petabyte: no OS maps that
 
 
+def test_weight_buffer_without_the_kernels_names_the_way_out(monkeypatch):
+    """``weights.weight_buffer`` needs the C++ library (which maps the buffer and knows when it
+    is freed): without it, a RuntimeError that says why and names ``cpu_kernels=False``."""
+    from minisgl import kernel
+    from minisgl.kernel import weights as kweights
+
+    monkeypatch.setattr(kernel, "load", lambda: None)
+    monkeypatch.setattr(kernel, "unavailable_reason", lambda: "no compiler here")
+    with pytest.raises(RuntimeError, match=r"no compiler here.*cpu_kernels=False"):
+        kweights.weight_buffer(64)
+
+
 FREE_WHILE_READING = r"""
 import sys, time, torch
 from minisgl import kernel
@@ -450,29 +462,12 @@ def test_the_workers_read_ahead_with_loads(kmod):
     ``csrc/common.h`` part 5): a prefetch is a hint the core may drop, and on a Zen 2 it gained
     0-1% of the batch-1 step where loads gain 3%. The results are the same either way, so read
     the worker's code in the cached library: its loop must load bytes, and prefetch nothing."""
-    import platform
     import re
-    import shutil
 
-    from minisgl import kernel
-    from minisgl.kernel import build as kbuild
-
-    if platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("objdump"):
-        pytest.skip("reads x86 code with objdump (binutils)")
-    key = kbuild.build_key(kbuild.source_bytes(), kernel.build_flags())
-    lib = kbuild.cache_dir() / key / f"minisgl_cpu_kernels_{key}.so"
-    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(lib)],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
-    bodies, name = {}, None
-    for line in dis.splitlines():  # the workers' thread function (wait_for_call inlined or not)
-        if (m := re.match(r"^[0-9a-f]+ <(.*)>:$", line)):
-            name = m.group(1) if ("Workers::Workers(int)::{lambda()#1}" in m.group(1)
-                                  or "Workers::wait_for_call" in m.group(1)) else None
-            if name:
-                bodies[name] = []
-        elif name and (m := re.match(r"^\s*[0-9a-f]+:\s+(\S.*)$", line)):
-            bodies[name].append(m.group(1))
-    code = [i for body in bodies.values() for i in body]
+    dis = cached_kernels_disassembly()
+    bodies = {**functions(dis, "Workers::Workers(int)::{lambda()#1}"),  # wait_for_call inlined
+              **functions(dis, "Workers::wait_for_call")}             # or not
+    code = [ins for body in bodies.values() for _, ins in body]
     assert code, "the workers' thread function is not in the library: renamed?"
     prefetches = [i for i in code if i.startswith("prefetch")]
     assert not prefetches, (f"the workers prefetch ({prefetches[:2]}): they must load what they "
@@ -853,11 +848,9 @@ def test_linear_with_narrower_vectors(kmod, flags, lanes):
             f"{lanes}-lane linear({m}x{k} @ {n}x{k}) is {err:.2e} off float64")
 
 
-def inner_loops(disassembly: str, function: str) -> dict[str, list[tuple[int, list[str]]]]:
-    """The innermost loops (a backward jump and what it jumps over) that hold 4 multiply-adds
-    or more, of every function whose name contains `function`, from `objdump -d -C` output:
-    {name: [(address of the loop's first instruction, loop), ...]}, each loop a list of
-    'mnemonic operands' lines."""
+def functions(disassembly: str, function: str) -> dict[str, list[tuple[int, str]]]:
+    """Every function whose name contains `function`, from `objdump -d -C` output: {name:
+    [(address, 'mnemonic operands'), ...]}."""
     import re
 
     funcs: dict[str, list[tuple[int, str]]] = {}
@@ -869,8 +862,36 @@ def inner_loops(disassembly: str, function: str) -> dict[str, list[tuple[int, li
                 funcs[name] = []
         elif name and (m := re.match(r"^\s*([0-9a-f]+):\s+(\S.*)$", line)):
             funcs[name].append((int(m.group(1), 16), m.group(2).strip()))
+    return funcs
+
+
+def cached_kernels_disassembly() -> str:
+    """`objdump -d -C` of the library `kmod` was loaded from, as the cache keeps it (skips where
+    that cannot be read: not x86, no objdump)."""
+    import platform
+    import shutil
+
+    from minisgl import kernel
+    from minisgl.kernel import build as kbuild
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("objdump"):
+        pytest.skip("reads x86 code with objdump (binutils)")
+    key = kbuild.build_key(kbuild.source_bytes(), kernel.build_flags())
+    lib = kbuild.cache_dir() / key / f"minisgl_cpu_kernels_{key}.so"
+    assert lib.exists(), f"{lib}: the library kmod was loaded from should be cached there"
+    return subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(lib)],
+                          capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+def inner_loops(disassembly: str, function: str) -> dict[str, list[tuple[int, list[str]]]]:
+    """The innermost loops (a backward jump and what it jumps over) that hold 4 multiply-adds
+    or more, of every function whose name contains `function`, from `objdump -d -C` output:
+    {name: [(address of the loop's first instruction, loop), ...]}, each loop a list of
+    'mnemonic operands' lines."""
+    import re
+
     found = {}
-    for fname, insns in funcs.items():
+    for fname, insns in functions(disassembly, function).items():
         loops = [(int(m.group(1), 16), addr) for addr, ins in insns
                  if (m := re.match(r"j\w+\s+([0-9a-f]+)\b", ins)) and int(m.group(1), 16) <= addr]
         inner = [lp for lp in loops
@@ -959,19 +980,7 @@ def test_the_matmul_loops_start_a_line_of_code(kmod):
     where an edit elsewhere in the library happens to put it. Built without it, a 16-row
     matmul's loop moved 16 bytes, with the same instructions, and the decode step at batch 16
     took 5% longer on a Zen 2."""
-    import platform
-    import shutil
-
-    if platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("objdump"):
-        pytest.skip("reads x86 code with objdump (binutils)")
-    from minisgl import kernel
-    from minisgl.kernel import build as kbuild
-
-    key = kbuild.build_key(kbuild.source_bytes(), kernel.build_flags())
-    lib = kbuild.cache_dir() / key / f"minisgl_cpu_kernels_{key}.so"  # kmod, as it is cached
-    assert lib.exists(), f"{lib}: the library kmod was loaded from should be cached there"
-    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(lib)],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    dis = cached_kernels_disassembly()
     loops = {**inner_loops(dis, "linear_rows_t<"), **inner_loops(dis, "linear_few_rows<")}
     starts = {name: [lo for lo, _ in found] for name, found in loops.items() if found}
     assert len(starts) >= 4, f"too few of linear's loops found to check: {list(starts)}"

@@ -394,16 +394,15 @@ int64_t chunk_rows(int64_t N, int64_t K, int64_t tile) {
 constexpr int64_t kAheads[] = {0, 128, 192, 256, 320, 384, 512, 1024, 2048, 4096};  // floats
 
 std::vector<double> time_aheads(int rounds) {  // each distance's fastest pass, in seconds (or none)
-  const int64_t K = 1024, page = 2 << 20;  // whole 2 MB pages (aligned_alloc wants whole ones)
-  const int64_t bytes = (std::min<int64_t>(4 * cache_bytes(3), 256 << 20) + page - 1) / page * page;
-  const int64_t N = bytes / (4 * K);
-  std::unique_ptr<float, decltype(&std::free)> w(
-      static_cast<float*>(std::aligned_alloc(page, bytes)), &std::free);
-  if (!w) return {};  // no memory for it: measure_ahead keeps kAheadUnmeasured
-#ifdef MADV_HUGEPAGE
-  madvise(w.get(), bytes, MADV_HUGEPAGE);  // 2 MB pages, as the Engine's weights (weights.py)
-#endif
-  std::fill_n(w.get(), N * K, 0.5f);
+  const int64_t K = 1024, N = std::min<int64_t>(4 * cache_bytes(3), 256 << 20) / (4 * K);
+  torch::Tensor buf;  // in 2 MB pages, as the Engine's weights (part 4)
+  try {
+    buf = weight_buffer(N * K * 4);
+  } catch (const c10::OutOfMemoryError&) {
+    return {};  // no memory for it: measure_ahead keeps kAheadUnmeasured
+  }
+  float* w = static_cast<float*>(buf.data_ptr());
+  std::fill_n(w, N * K, 0.5f);
   std::vector<float> x(4 * K, 1.0f), y(4 * N);
   const int64_t chunk = chunk_rows(N, K, kTileRows);
   std::vector<double> best(std::size(kAheads), 1e30);
@@ -412,7 +411,7 @@ std::vector<double> time_aheads(int rounds) {  // each distance's fastest pass, 
       g_ahead = kAheads[i];
       const auto t0 = std::chrono::steady_clock::now();
       workers().run(N, chunk, [&](int64_t lo, int64_t hi) {
-        linear_rows(x.data(), K, 4, w.get(), K, K, nullptr, y.data(), N, lo, hi);
+        linear_rows(x.data(), K, 4, w, K, K, nullptr, y.data(), N, lo, hi);
       });
       const std::chrono::duration<double> t = std::chrono::steady_clock::now() - t0;
       best[i] = std::min(best[i], t.count());
