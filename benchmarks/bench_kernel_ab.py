@@ -7,7 +7,9 @@ and placed once, and two compiled libraries: this tree's ``minisgl/kernel/csrc*`
 build) and the same files at ``--against`` (compiled aside, in a temporary folder). Each round
 runs every batch size with one library, then with the other, swapped in by pointing
 ``minisgl.kernel._MODULE`` and the "cpp" attention backend at it; the Python side (the ops, the
-wrappers, ``place_weights``) stays this tree's. Reported per batch size: the median step of each
+wrappers, ``place_weights``) stays this tree's. Each build reads its own copy of the weights, in a
+buffer it mapped itself (``own_weights``): a library reads ahead only there, so with one copy the
+other build ran without its read-ahead (an A-A run on 2026-12-06 then gave 0.973x). Reported per batch size: the median step of each
 build and the median of the per-round ratios ("paired"), which drift between rounds moves much
 less than it moves two separate runs. Both builds must give the same greedy tokens. Where the
 revision measures the 2-4-row loop's prefetch distance too (``set_prefetch_ahead``), it is given
@@ -37,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.measure import PROMPTS, ROOT, MinisglRunner, header, median_ms, paired_ratio
+from minisgl.kernel.weights import LINE, _swap_in
 
 KERNEL_DIR = "minisgl/kernel"
 NEEDED = ("linear", "rmsnorm", "fused_add_rmsnorm", "rope_inplace", "silu_and_mul", "store_kv",
@@ -84,6 +87,27 @@ def build_at(rev: str, work: Path):
     return module
 
 
+def own_weights(model, module) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The model's placed weights, copied into a buffer that ``module`` mapped itself (its
+    ``weight_buffer``), and the copies by state-dict key. A library reads ahead only inside
+    buffers it mapped (chapter 07, reading ahead): with one buffer for both builds, the build that
+    did not map it would run without its read-ahead, and the comparison would measure that.
+    A build without ``weight_buffer`` (older than 8b18314) reads ahead anywhere: it shares the
+    Engine's copy."""
+    weights = {key: t for key, t in model.state_dict().items()
+               if t.dtype == torch.float32 and t.device.type == "cpu"}
+    if not hasattr(module, "weight_buffer"):
+        return None, weights
+    size = {key: -(-t.numel() * 4 // LINE) * LINE for key, t in weights.items()}
+    buffer = module.weight_buffer(sum(size.values()))
+    copies, at = {}, 0
+    for key, t in weights.items():
+        copies[key] = buffer[at:at + t.numel() * 4].view(torch.float32).view(t.shape)
+        copies[key].copy_(t)
+        at += size[key]
+    return buffer, copies
+
+
 def run(args) -> str:
     from transformers import AutoTokenizer
 
@@ -112,9 +136,13 @@ def run(args) -> str:
             if hasattr(other, "set_prefetch_ahead"):  # one measured distance for both builds
                 other.set_prefetch_ahead(current.prefetch_ahead())
 
+            placed = {name: own_weights(engine.model, module) for name, module in builds.items()}
+
             def use(name: str) -> None:
                 kernel._MODULE = builds[name]
                 engine.attn_backend._module = builds[name]
+                for key, t in placed[name][1].items():
+                    _swap_in(engine.model, key, t)
 
             tokens = {}
             for name in builds:  # the same greedy tokens with both libraries

@@ -387,6 +387,41 @@ def test_read_ahead_follows_the_order_of_the_calls(kmod):
     assert kmod.read_ahead_plan(plain) == [], "a freed buffer's weights must leave every plan"
 
 
+def test_the_kernel_ab_benchmark_gives_each_build_its_own_weight_buffer(kmod):
+    """``benchmarks/bench_kernel_ab.py`` swaps two builds of the library under one Engine. A
+    library reads ahead only inside a buffer it mapped itself, so each build must run on its own
+    copy of the weights (``own_weights``): with one buffer for both, the other build ran without
+    its read-ahead, and an A-A comparison (one source, two builds) measured 0.973x."""
+    import types
+
+    from benchmarks.bench_kernel_ab import own_weights
+
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(64, 96, generator=g), torch.randn(33, 96, generator=g)
+    ids = torch.arange(5)  # not a float32 weight: never copied
+    model = types.SimpleNamespace(state_dict=lambda: {"a": a, "ids": ids, "b": b})
+    buf, copies = own_weights(model, kmod)
+    assert set(copies) == {"a", "b"}
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    for key, t in (("a", a), ("b", b)):
+        c = copies[key]
+        assert torch.equal(c, t) and c.is_contiguous(), f"{key}: not an equal contiguous copy"
+        assert c.data_ptr() % 64 == 0, f"{key}: its copy does not start a cache line"
+        assert lo <= c.data_ptr() and c.data_ptr() + c.numel() * 4 <= hi, (
+            f"{key}: its copy is not inside the buffer the build mapped")
+    x = torch.randn(1, 96, generator=g)
+    for w in (copies["a"], copies["b"], copies["a"]):
+        kmod.linear(x, w, None)
+    assert kmod.read_ahead_plan(copies["a"]) == [(copies["b"].data_ptr(), b.numel() * 4)], (
+        "the build must read ahead in its own copy")
+    for w in (a, b, a):
+        kmod.linear(x, w, None)
+    assert kmod.read_ahead_plan(a) == [], "the originals are not in a buffer: no read-ahead"
+    older = types.SimpleNamespace()  # a build from before weight_buffer reads ahead anywhere
+    none, same = own_weights(model, older)
+    assert none is None and same["a"] is a and same["b"] is b and "ids" not in same
+
+
 def test_weight_buffer_is_zeroed_aligned_and_says_when_it_cannot_be_had(kmod):
     """``weight_buffer(nbytes)``: zeroed bytes that start on a 2 MB boundary; 0 bytes is a
     buffer too; a negative size is refused by name, and memory the OS will not map is a
