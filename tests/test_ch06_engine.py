@@ -967,8 +967,13 @@ def test_forward_batch_samples_the_real_rows_with_the_sampler(monkeypatch):
         assert out.next_tokens_gpu.dtype == torch.int32 and torch.equal(
             out.next_tokens_gpu.long(), seen["tokens"].long()), (
             "Exercise 6.5: next_tokens are the sampler's tokens, as int32")
+        assert seen["logits"].is_inference() and out.next_tokens_cpu.is_inference(), (
+            "the model and the sampler run under torch.inference_mode(), as the official "
+            "server does (forward_batch's given code)")
         for i, r in enumerate(reqs):
             r.append_host(out.next_tokens_cpu[i:i + 1])
+        assert not any(r.input_ids.is_inference() for r in reqs), (
+            "append_host keeps the request's own ids ordinary tensors")
 
 
 @pytest.mark.parametrize("free,reqs,page_size,weights,ratio", [

@@ -13,6 +13,7 @@ repeated. The CUDA-graph hooks come from ``torch_graph.py`` (the optional GPU se
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -67,39 +68,45 @@ class TorchBackend(TorchGraphHooks, BaseAttnBackend):
         if bad:  # this runs before forward_batch's checks: the first place a bad row is met
             raise IndexError(f"Req(uid={bad[0].uid}).table_idx={bad[0].table_idx} is outside the "
                              f"page table's rows 0..{rows_total - 1}.")
-        cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
-        seq_lens = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
-        extend = seq_lens - cached
-        cu_q = torch.zeros(len(reqs) + 1, dtype=torch.int64)
-        torch.cumsum(extend, 0, out=cu_q[1:])
-        max_q, max_kv = int(extend.max()), int(seq_lens.max())
+        # the per-request counts as Python ints, each list made a tensor once: every torch op
+        # costs microseconds, and in a decode step this is a handful of numbers
+        cached = [r.cached_len for r in reqs]
+        lens = [r.device_len for r in reqs]
+        extend = [n - c for n, c in zip(lens, cached)]  # new tokens (query rows) per request
+        cu = [0, *itertools.accumulate(extend)]  # request b's query rows: cu[b] .. cu[b+1]-1
+        max_q, max_kv = max(extend), max(lens)
+        seq_lens = torch.tensor(lens, dtype=torch.int64)
         # BEGIN SOLUTION 5.2: every request's key slots, padded to [Bp, Kmax], from the page table
         rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64, device=device)
         kv_slots = self.page_table[rows, :max_kv].long()  # [Bp, Kmax]; past device_len: masked
         # END SOLUTION
         if batch.is_decode and max_q == 1:  # one query per request: no gather, mask only lengths
             q_index = o_index = None
-            ragged = bool((seq_lens != max_kv).any())
+            ragged = any(n != max_kv for n in lens)
             mask = (torch.arange(max_kv)[None, :] < seq_lens[:, None]).view(
                 len(reqs), 1, 1, max_kv) if ragged else None
         else:
+            starts = torch.tensor(cu[:-1], dtype=torch.int64)
+            counts = torch.tensor(extend, dtype=torch.int64)
             offs = torch.arange(max_q)
-            q_index = (cu_q[:-1, None] + offs).clamp(max=int(cu_q[-1]) - 1)  # [Bp, Qmax]
-            valid = offs[None, :] < extend[:, None]
+            q_index = (starts[:, None] + offs).clamp(max=cu[-1] - 1)  # [Bp, Qmax]
+            valid = offs[None, :] < counts[:, None]
             o_index = (torch.arange(len(reqs))[:, None] * max_q + offs)[valid]  # [T]
             q_index = q_index.flatten()
-            mask = build_mask(cached, extend, seq_lens, max_q, max_kv)  # [Bp, Qmax, Kmax]
+            mask = build_mask(torch.tensor(cached, dtype=torch.int64), counts, seq_lens, max_q,
+                              max_kv)  # [Bp, Qmax, Kmax]
             # the G query heads of a KV head are G blocks of Qmax rows: repeat the mask per block
             mask = mask[:, None].expand(-1, self.group, -1, -1).reshape(
                 len(reqs), 1, self.group * max_q, max_kv)
         batch.attn_metadata = TorchAttnMetadata(
-            cu_seqlens_q=cu_q.to(device), seq_lens=seq_lens.to(device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int64, device=device),
+            seq_lens=seq_lens.to(device),
             out_loc=batch.out_loc.to(device=device, dtype=torch.int64),
             kv_slots=kv_slots.flatten(), max_kv_len=max_kv, max_q_len=max_q,
             q_index=None if q_index is None else q_index.to(device),
             o_index=None if o_index is None else o_index.to(device),
             mask=None if mask is None else mask.to(device),
-            last_indices=(cu_q[1:] - 1).to(device))
+            last_indices=torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64, device=device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:

@@ -43,7 +43,9 @@ class AttentionLayer(StateLessOP):
         """``qkv [T, (Hq + 2*Hkv) * D]`` -> attention output ``[T, Hq * D]``."""
         ctx = get_global_ctx()
         # BEGIN SOLUTION 2.9: split, q/k norm, rotary, then the backend
-        q, k, v = qkv.split([self.qo_attn_dim, self.kv_attn_dim, self.kv_attn_dim], dim=-1)
+        # split_with_sizes: what Tensor.split, a Python function in torch, ends up calling
+        q, k, v = qkv.split_with_sizes([self.qo_attn_dim, self.kv_attn_dim, self.kv_attn_dim],
+                                       dim=-1)
         if self.q_norm is not None:
             self.q_norm.forward_inplace(q.view(-1, self.num_qo_heads, self.head_dim))
         if self.k_norm is not None:

@@ -107,7 +107,8 @@ CASES = [
        "        if self.k_norm is not None:\n"
        "            self.k_norm.forward_inplace(k.view(-1, self.num_kv_heads, self.head_dim))\n"),)),
     ("2.9", "minisgl/layers/attention.py", "qkv cut into three equal parts (ignores GQA)",
-     (("        q, k, v = qkv.split([self.qo_attn_dim, self.kv_attn_dim, self.kv_attn_dim], dim=-1)",
+     (("        q, k, v = qkv.split_with_sizes([self.qo_attn_dim, self.kv_attn_dim, self.kv_attn_dim],\n"
+       "                                       dim=-1)",
        "        q, k, v = qkv.chunk(3, dim=-1)"),)),
     ("2.9", "minisgl/layers/attention.py", "positions counted from 0 instead of ctx.batch.positions",
      (("        q, k = self.rotary.forward(ctx.batch.positions, q, k)",
