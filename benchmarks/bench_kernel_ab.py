@@ -9,12 +9,12 @@ runs every batch size with one library, then with the other, swapped in by point
 ``minisgl.kernel._MODULE`` and the "cpp" attention backend at it; the Python side (the ops, the
 wrappers, ``place_weights``) stays this tree's. Each build reads its own copy of the weights, in a
 buffer it mapped itself (``own_weights``): a library reads ahead only there, so with one copy the
-other build ran without its read-ahead (an A-A run on 2026-12-06 then gave 0.973x). Reported per batch size: the median step of each
-build and the median of the per-round ratios ("paired"), which drift between rounds moves much
-less than it moves two separate runs. Both builds must give the same greedy tokens. Where the
-revision measures the 2-4-row loop's prefetch distance too (``set_prefetch_ahead``), it is given
-this tree's, measured once: two measurements may pick neighbouring distances, a difference in
-speed that is not the change's.
+other build ran without its read-ahead (an A-A run on 2026-12-06 then gave 0.973x). Reported per
+batch size: the median step of each build and the median of the per-round ratios ("paired"),
+which drift between rounds moves much less than it moves two separate runs. Both builds must
+give the same greedy tokens. Where the revision measures the 2-4-row loop's prefetch distance
+too (``set_prefetch_ahead``), it is given this tree's, measured once: two measurements may pick
+neighbouring distances, a difference in speed that is not the change's.
 
 Why not the matmuls alone? A benchmark that calls ``linear`` back to back with one x leaves x in
 both cores' caches; in a step, x was just written by the calling thread (a norm, attention,
