@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.measure import PROMPTS, ROOT, MinisglRunner, header, median_ms, paired_ratio
-from minisgl.kernel.weights import LINE, _swap_in
+from minisgl.kernel.weights import _swap_in, float_weights, place_weights
 
 KERNEL_DIR = "minisgl/kernel"
 NEEDED = ("linear", "rmsnorm", "fused_add_rmsnorm", "rope_inplace", "silu_and_mul", "store_kv",
@@ -88,24 +88,16 @@ def build_at(rev: str, work: Path):
 
 
 def own_weights(model, module) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """The model's placed weights, copied into a buffer that ``module`` mapped itself (its
-    ``weight_buffer``), and the copies by state-dict key. A library reads ahead only inside
-    buffers it mapped (chapter 07, reading ahead): with one buffer for both builds, the build that
-    did not map it would run without its read-ahead, and the comparison would measure that.
-    A build without ``weight_buffer`` (older than 8b18314) reads ahead anywhere: it shares the
-    Engine's copy."""
-    weights = {key: t for key, t in model.state_dict().items()
-               if t.dtype == torch.float32 and t.device.type == "cpu"}
+    """The model's weights placed (``place_weights``) in a buffer that ``module`` mapped itself
+    (its ``weight_buffer``), and those copies by state-dict key; the model keeps them. A library
+    reads ahead only inside buffers it mapped (chapter 07, reading ahead): with one buffer for
+    both builds, the build that did not map it would run without its read-ahead, and the
+    comparison would measure that. A build without ``weight_buffer`` (older than 8b18314) reads
+    ahead anywhere: it shares the copy the model holds."""
     if not hasattr(module, "weight_buffer"):
-        return None, weights
-    size = {key: -(-t.numel() * 4 // LINE) * LINE for key, t in weights.items()}
-    buffer = module.weight_buffer(sum(size.values()))
-    copies, at = {}, 0
-    for key, t in weights.items():
-        copies[key] = buffer[at:at + t.numel() * 4].view(torch.float32).view(t.shape)
-        copies[key].copy_(t)
-        at += size[key]
-    return buffer, copies
+        return None, float_weights(model)
+    buffer = place_weights(model, module.weight_buffer)
+    return buffer, float_weights(model)
 
 
 def run(args) -> str:

@@ -47,14 +47,19 @@ def _swap_in(model, key: str, tensor: torch.Tensor) -> None:
     setattr(op, name, tensor)
 
 
-def place_weights(model) -> torch.Tensor:
-    """Copy every float32 CPU weight of ``model`` into one buffer (``weight_buffer``) and swap
-    the copies in: same values, same shapes, contiguous, each 64-byte aligned. Returns the
-    buffer (every placed weight is a view of it)."""
-    weights = {key: t for key, t in model.state_dict().items()
-               if t.dtype == torch.float32 and t.device.type == "cpu"}
+def float_weights(model) -> dict[str, torch.Tensor]:
+    """The weights ``place_weights`` moves: every float32 CPU tensor of the state dict, by key."""
+    return {key: t for key, t in model.state_dict().items()
+            if t.dtype == torch.float32 and t.device.type == "cpu"}
+
+
+def place_weights(model, map_buffer=None) -> torch.Tensor:
+    """Copy every float32 CPU weight of ``model`` into one buffer (``map_buffer(nbytes)``;
+    None: ``weight_buffer``) and swap the copies in: same values, same shapes, contiguous, each
+    64-byte aligned. Returns the buffer (every placed weight is a view of it)."""
+    weights = float_weights(model)
     size = {key: -(-t.numel() * 4 // LINE) * LINE for key, t in weights.items()}
-    buffer = weight_buffer(sum(size.values()))
+    buffer = (map_buffer or weight_buffer)(sum(size.values()))
     at = 0
     for key in list(weights):
         t = weights.pop(key)  # the dict's reference goes now, the model's at the swap
