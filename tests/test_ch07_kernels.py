@@ -927,18 +927,18 @@ def cached_kernels_disassembly() -> str:
 
 
 def inner_loops(disassembly: str, function: str) -> dict[str, list[tuple[int, list[str]]]]:
-    """The innermost loops (a backward jump and what it jumps over) that hold 4 multiply-adds
-    or more, of every function whose name contains `function`, from `objdump -d -C` output:
-    {name: [(address of the loop's first instruction, loop), ...]}, each loop a list of
-    'mnemonic operands' lines."""
+    """The innermost loops (a backward jump and what it jumps over, with no other backward jump
+    in between) that hold 4 multiply-adds or more, of every function whose name contains
+    `function`, from `objdump -d -C` output: {name: [(address of the loop's first instruction,
+    loop), ...]}, each loop a list of 'mnemonic operands' lines. (A jump from code laid out
+    after a loop back into the code before it spans the loop's end: not a loop of its own.)"""
     import re
 
     found = {}
     for fname, insns in functions(disassembly, function).items():
         loops = [(int(m.group(1), 16), addr) for addr, ins in insns
                  if (m := re.match(r"j\w+\s+([0-9a-f]+)\b", ins)) and int(m.group(1), 16) <= addr]
-        inner = [lp for lp in loops
-                 if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+        inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[1] <= lp[1] for o in loops)]
         bodies = [(lo, [ins for addr, ins in insns if lo <= addr <= hi]) for lo, hi in inner]
         found[fname] = [(lo, b) for lo, b in bodies
                         if sum(bool(re.match(r"v?(fn?madd\w*ps|mulps)\b", i)) for i in b) >= 4]
@@ -953,7 +953,8 @@ def test_the_many_rows_loop_keeps_its_sums_in_registers(tmp_path):
     store after every FMA: 16 rows took 4.3x as long), unseen on an AVX-512 machine. So compile
     the kernels for 4, 8 and 16-float vectors (object files only: no CPU here needs to run
     them) and read every `linear_rows_t<L, MV, TR>`'s inner loop: no vector register may go to
-    or come from the stack there."""
+    or come from the stack there. The same holds for the loop of 1 to 7 rows,
+    `linear_few_rows<MM, S, U>`: MM x S x U sums, up to 14 of AVX2's 16 registers."""
     import platform
     import shutil
     import sysconfig
@@ -1001,11 +1002,14 @@ def test_the_many_rows_loop_keeps_its_sums_in_registers(tmp_path):
         # the loop is in linear_rows_t<L, MV, TR>, or in linear_tile_t<L, MV, TR> where the
         # compiler did not inline that into it
         rows, tiles = inner_loops(dis, "linear_rows_t<"), inner_loops(dis, "linear_tile_t<")
-        assert rows, (f"no linear_rows_t<...> in the {lanes}-float build: it must stay a "
-                      "function of its own (__attribute__((noinline)), linear.h) for this check")
-        for name in rows:
+        few = inner_loops(dis, "linear_few_rows<")
+        for found, fn in ((rows, "linear_rows_t"), (few, "linear_few_rows")):
+            assert found, (f"no {fn}<...> in the {lanes}-float build: it must stay a function "
+                           "of its own (__attribute__((noinline)), linear.h) for this check")
+        for name in [*rows, *few]:
             args = name[name.index("<"):name.index(">") + 1]
-            bodies = [b for n, bs in {**rows, **tiles}.items() if args in n for _, b in bs]
+            loops = {**rows, **tiles} if name in rows else few
+            bodies = [b for n, bs in loops.items() if args in n for _, b in bs]
             assert bodies, f"{lanes}-float build: no multiply-add loop found in {name}"
             for body in bodies:
                 spills = [i for i in body if "(%rsp)" in i or "(%rbp)" in i if "mm" in i]
@@ -1013,8 +1017,9 @@ def test_the_many_rows_loop_keeps_its_sums_in_registers(tmp_path):
                     f"{lanes}-float build: the inner loop of {name} moves vectors to or from the "
                     f"stack ({len(spills)} of its {len(body)} instructions, e.g. {spills[0]!r}): "
                     "its running sums no longer fit in registers. Keep 12 sums a tile at most "
-                    "(linear_rows_many), load each x vector on its own (load_vec), and index the "
-                    "sums by constants only.")
+                    "(linear_rows_many) and 14 in the few-rows loop (rows x streams x sums, "
+                    "linear_rows), load each x vector on its own (load_vec), and index the sums "
+                    "by constants only.")
 
 
 def test_the_matmul_loops_start_a_line_of_code(kmod):

@@ -96,28 +96,19 @@ inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
 // The sum of a vector's lanes, as a tree: the upper half added onto the lower until two lanes
 // are left (4 adds for 16 lanes). Added one by one, each of the 15 additions waits for the one
 // before; decode attention ends every score in such a sum, and took 1.35x as long with them.
-template <int N>
-inline float tree_sum(typename VecOf<N>::type v) {
+// The halves are shuffles of v's lanes: taken with memcpy instead, GCC kept 16-float vectors
+// summed this way in memory, even running sums of a matmul loop (linear.h, part 1).
+template <int N, std::size_t... I>
+inline float tree_sum(typename VecOf<N>::type v, std::index_sequence<I...>) {
   if constexpr (N == 2) {
     return v[0] + v[1];
   } else {
-    typename VecOf<N / 2>::type lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return tree_sum<N / 2>(lo + hi);
+    const typename VecOf<N / 2>::type lo = __builtin_shufflevector(v, v, I...);
+    const typename VecOf<N / 2>::type hi = __builtin_shufflevector(v, v, (N / 2 + I)...);
+    return tree_sum<N / 2>(lo + hi, std::make_index_sequence<N / 4>{});
   }
 }
-inline float hsum(vecf v) { return tree_sum<kLanes>(v); }
-
-// The last n < kLanes floats at p in one vector, zeros after them (read lane by lane: never a
-// float past p[n - 1]). A zero adds nothing to a sum, so a K % kLanes tail takes the same FMAs
-// as the rest. In linear.h a tail written as a scalar loop after the sums, or through memcpy (a
-// library call), made GCC keep the running sums on the stack, even in calls where it never ran.
-inline vecf load_tail(const float* p, int64_t n) {
-  vecf v = {};
-  for (int l = 0; l < kLanes; ++l) v[l] = l < n ? p[l] : 0.0f;
-  return v;
-}
+inline float hsum(vecf v) { return tree_sum<kLanes>(v, std::make_index_sequence<kLanes / 2>{}); }
 
 // a[0] + ... + a[U - 1], pairwise, one expression once inlined: every index is a constant, so
 // the sums stay in registers (as a loop over a, GCC stored them to the stack and read them back)

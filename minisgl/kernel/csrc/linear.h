@@ -4,116 +4,90 @@
 
 namespace {
 
-// 1 to 4 rows of x: one weight row at a time, against each row of x. A chunk's weight rows lie
-// one after another in memory, so the loop reads the weight front to back, a single stream.
-// Each weight vector meets the MM rows of x (in L1), into U partial sums per row: an FMA into a
-// sum waits for the one before it, and 8 to 16 independent sums keep loads and FMAs in flight.
-// The loop asks for the line g_ahead floats ahead into L2 (locality 1: prefetcht2 on x86): a core
-// has only so many loads waiting for memory, and with 3 or 4 rows of x the instructions between
-// two weight lines keep the hardware from looking far enough ahead by itself. How far is best
-// depends on the CPU, so the distance is measured once, before the loop first runs (part 4).
+// 1 to 7 rows of x: each output feature is the dot product of a row of x with one weight row,
+// and each weight row is read once, against all the rows of x (in L1).
+// Streams. A chunk's weight rows lie one after another in memory: read front to back they are
+// one stream, and a core reading one stream keeps too few lines on their way from memory (on a
+// Zen 2, 2 threads, 33 GB/s with one stream each, 47 GB/s with four). So the chunk is cut into S
+// runs of q rows, and the loop takes row i of every run at once: S streams, each read front to
+// back. The rows past S * q, fewer than S, follow as one stream.
+// Sums. Each weight vector meets the MM rows of x, into U partial sums per row of x and stream:
+// an FMA into a sum waits for the one before it, so 8 or more independent sums keep FMAs in
+// flight, and at most 14 leave AVX2's 16 vector registers room for a weight vector (the x
+// vectors come from L1 inside each FMA).
+// Prefetch. With 2 rows of x or more the loop also asks for the line g_ahead floats ahead into
+// L2 (locality 1: prefetcht2 on x86): between two weight lines there are more instructions, and
+// the core no longer looks far enough ahead by itself. How far is best depends on the CPU, so
+// the distance is measured once, before the loop first runs (part 5).
+// Never inlined: each instance gets registers of its own, and a test reads its inner loop.
 int64_t g_ahead = -1;  // floats; -1: not measured yet
 
-template <int MM, int U>
-void linear_few_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
-                     const float* bias, float* y, int64_t ldy, int64_t lo, int64_t hi) {
-  const int64_t ahead = g_ahead;
-  for (int64_t n = lo; n < hi; ++n) {
-    const float* wn = w + n * ldw;
-    vecf acc[MM][U] = {};
+template <int MM, int S, int U>
+__attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, const float* w,
+                                               int64_t ldw, int64_t K, const float* bias,
+                                               float* y, int64_t ldy, int64_t lo, int64_t hi) {
+  const int64_t ahead = g_ahead, q = (hi - lo) / S;  // rows per stream
+  for (int64_t i = 0; i < q; ++i) {
+    const float* ws[S];  // row i of each run
+    for (int s = 0; s < S; ++s) ws[s] = w + (lo + s * q + i) * ldw;
+    vecf acc[MM][S][U] = {};
     int64_t k = 0;
     for (; k + U * kLanes <= K; k += U * kLanes)
-      for (int u = 0; u < U; ++u) {
-        if (MM > 1 && u * kLanes % 16 == 0)  // one row: the hardware keeps up by itself
-          __builtin_prefetch(wn + k + u * kLanes + ahead, 0, 1);
-        const vecf a = loadv(wn + k + u * kLanes);
-        for (int m = 0; m < MM; ++m) acc[m][u] += loadv(x + m * ldx + k + u * kLanes) * a;
+      for (int u = 0; u < U; ++u)
+        for (int s = 0; s < S; ++s) {
+          if (MM > 1 && u * kLanes % 16 == 0)  // one row: the hardware keeps up by itself
+            __builtin_prefetch(ws[s] + k + u * kLanes + ahead, 0, 1);
+          const vecf a = loadv(ws[s] + k + u * kLanes);
+          for (int m = 0; m < MM; ++m) acc[m][s][u] += loadv(x + m * ldx + k + u * kLanes) * a;
+        }
+    for (; k + kLanes <= K; k += kLanes)  // K % kLanes columns left: add_tail_columns
+      for (int s = 0; s < S; ++s) {
+        const vecf a = loadv(ws[s] + k);
+        for (int m = 0; m < MM; ++m) acc[m][s][0] += loadv(x + m * ldx + k) * a;
       }
-    for (; k + kLanes <= K; k += kLanes) {
-      const vecf a = loadv(wn + k);
-      for (int m = 0; m < MM; ++m) acc[m][0] += loadv(x + m * ldx + k) * a;
-    }
-    if (k < K) {
-      const vecf a = load_tail(wn + k, K - k);
-      for (int m = 0; m < MM; ++m) acc[m][U - 1] += load_tail(x + m * ldx + k, K - k) * a;
-    }
-    for (int m = 0; m < MM; ++m) {
-      const float s = hsum(sum_pairwise<U>(acc[m]));
-      y[m * ldy + n] = bias ? s + bias[n] : s;
-    }
+    for (int m = 0; m < MM; ++m)
+      for (int s = 0; s < S; ++s) {
+        const int64_t n = lo + s * q + i;
+        const float v = hsum(sum_pairwise<U>(acc[m][s]));
+        y[m * ldy + n] = bias ? v + bias[n] : v;
+      }
   }
+  constexpr int U1 = std::max(1, std::min(S * U, 12 / MM));  // as many sums, at most 12
+  if constexpr (S > 1)  // the last (hi - lo) % S rows: one stream
+    if (lo + S * q < hi)
+      linear_few_rows<MM, 1, U1>(x, ldx, w, ldw, K, bias, y, ldy, lo + S * q, hi);
 }
 
-// A tile, for 5 to 7 rows: kTileRows weight rows (output features) against up to 4 rows of x.
-// The weight rows are read from memory once, a vector at a time, and each vector meets the rows
-// of x (in L1) in MM x kTileRows running sums. With 32 vector registers (AVX-512, NEON) all 16
-// sums, the 4 weight vectors and an x vector fit; with AVX2's 16 a few sums live in L1 instead.
-// While one tile is computed, the next tile's rows are prefetched into L2: its loads are already
-// on their way when the tile's sums are done.
-constexpr int kTileRows = 4;
-constexpr int kTileX = 4;
-
-template <int MM>
-void linear_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K, int64_t pf,
-                 float* y, int64_t ldy, int64_t nn, const float* bias) {
-  vecf acc[MM][kTileRows] = {};
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    vecf a[kTileRows];
-    for (int i = 0; i < kTileRows; ++i) {
-      __builtin_prefetch(wr[i] + k + pf, 0, 1);
-      a[i] = loadv(wr[i] + k);
-    }
-    for (int m = 0; m < MM; ++m) {
-      const vecf xv = loadv(x + m * ldx + k);
-      for (int i = 0; i < kTileRows; ++i) acc[m][i] += xv * a[i];
-    }
-  }
-  if (k < K) {
-    vecf a[kTileRows];
-    for (int i = 0; i < kTileRows; ++i) a[i] = load_tail(wr[i] + k, K - k);
-    for (int m = 0; m < MM; ++m) {
-      const vecf xv = load_tail(x + m * ldx + k, K - k);
-      for (int i = 0; i < kTileRows; ++i) acc[m][i] += xv * a[i];
-    }
-  }
-  for (int m = 0; m < MM; ++m)
-    for (int64_t i = 0; i < nn; ++i) {
-      const float s = hsum(acc[m][i]);
-      y[m * ldy + i] = bias ? s + bias[i] : s;
+// The last K % kLanes columns (none for SmolLM2's 576 and 1536), added to y one float at a time
+// once the vector loop has written it. In that loop, a zero-padded vector for them, read lane by
+// lane, became branches that GCC laid out among the sums; kept out, the loop stays plain.
+__attribute__((noinline)) void add_tail_columns(const float* x, int64_t ldx, int64_t M,
+                                                const float* w, int64_t ldw, int64_t K, float* y,
+                                                int64_t ldy, int64_t lo, int64_t hi) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = lo; n < hi; ++n) {
+      float s = 0.0f;
+      for (int64_t k = K - K % kLanes; k < K; ++k) s += x[m * ldx + k] * w[n * ldw + k];
+      y[m * ldy + n] += s;
     }
 }
 
-// Output features [lo, hi) for all M rows of x: up to 4 rows weight row by weight row, more tile
-// by tile (a tile's weight rows come from memory for its first group of x rows, from L1 after).
+// Output features [lo, hi) for 1 to 7 rows of x (8 and more: part 2). Streams and sums per
+// stream, measured on a Zen 2 in the decode step: 4 streams of 2 sums at one row (2 streams:
+// 1.15x its time, 8 streams alike), 4 of 1 sum at two rows, 3 at three and four rows (2 streams:
+// 1.08x at three rows; 4 streams would be 16 sums at four rows), 2 from five rows on.
 void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
                  int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi) {
   switch (M) {
-    case 1: return linear_few_rows<1, 8>(x, ldx, w, ldw, K, bias, y, N, lo, hi);
-    case 2: return linear_few_rows<2, 4>(x, ldx, w, ldw, K, bias, y, N, lo, hi);
-    case 3:  // 12 sums with 32 vector registers, 6 with AVX2's 16
-      return linear_few_rows<3, kLanes == 16 ? 4 : 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi);
-    case 4:  // 16 sums with 32 vector registers, 8 with AVX2's 16
-      return linear_few_rows<4, kLanes == 16 ? 4 : 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi);
+    case 1: linear_few_rows<1, 4, 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
+    case 2: linear_few_rows<2, 4, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
+    case 3: linear_few_rows<3, 3, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
+    case 4: linear_few_rows<4, 3, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
+    case 5: linear_few_rows<5, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
+    case 6: linear_few_rows<6, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
+    default: linear_few_rows<7, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
   }
-  for (int64_t n0 = lo; n0 < hi; n0 += kTileRows) {
-    const int64_t nn = std::min<int64_t>(kTileRows, hi - n0);
-    const float* wr[kTileRows];  // a short last tile repeats its last row (never stored)
-    for (int i = 0; i < kTileRows; ++i) wr[i] = w + (n0 + std::min<int64_t>(i, nn - 1)) * ldw;
-    const float* bt = bias ? bias + n0 : nullptr;
-    // prefetch distance: the next tile's rows (the chunk's last tile prefetches its own)
-    const int64_t pf = n0 + 2 * kTileRows <= hi ? kTileRows * ldw : 0;
-    for (int64_t m = 0; m < M; m += kTileX) {
-      const float* xm = x + m * ldx;
-      float* ym = y + m * N + n0;
-      switch (std::min<int64_t>(kTileX, M - m)) {
-        case 4: linear_tile<4>(xm, ldx, wr, K, pf, ym, N, nn, bt); break;
-        case 3: linear_tile<3>(xm, ldx, wr, K, pf, ym, N, nn, bt); break;
-        case 2: linear_tile<2>(xm, ldx, wr, K, pf, ym, N, nn, bt); break;
-        default: linear_tile<1>(xm, ldx, wr, K, pf, ym, N, nn, bt); break;
-      }
-    }
-  }
+  if (K % kLanes) add_tail_columns(x, ldx, M, w, ldw, K, y, N, lo, hi);
 }
 
 }  // namespace
@@ -404,7 +378,7 @@ std::vector<double> time_aheads(int rounds) {  // each distance's fastest pass, 
   float* w = static_cast<float*>(buf.data_ptr());
   std::fill_n(w, N * K, 0.5f);
   std::vector<float> x(4 * K, 1.0f), y(4 * N);
-  const int64_t chunk = chunk_rows(N, K, kTileRows);
+  const int64_t chunk = chunk_rows(N, K, 1);
   std::vector<double> best(std::size(kAheads), 1e30);
   for (int r = 0; r < rounds; ++r)
     for (size_t i = 0; i < best.size(); ++i) {
@@ -512,7 +486,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     return y;
   }
   if (M >= 2 && M <= 4) prefetch_ahead();  // measured before the 2-4-row loop first runs
-  workers().run(N, chunk_rows(N, K, kTileRows), [&](int64_t lo, int64_t hi) {
+  workers().run(N, chunk_rows(N, K, 1), [&](int64_t lo, int64_t hi) {
     linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi);
   }, ahead);
   return y;
