@@ -8,13 +8,13 @@ namespace {
 // and each weight row is read once, against all the rows of x (in L1).
 // Streams. A chunk's weight rows lie one after another in memory: read front to back they are
 // one stream, and a core reading one stream keeps too few lines on their way from memory (on a
-// Zen 2, 2 threads, 33 GB/s with one stream each, 47 GB/s with four). So the chunk is cut into S
-// runs of q rows, and the loop takes row i of every run at once: S streams, each read front to
-// back. The rows past S * q, fewer than S, follow as one stream.
+// Zen 2, 2 threads, 32-33 GB/s with one stream each, 48-51 GB/s with four: bench_streams.py).
+// So the chunk is cut into S runs of q rows, and the loop takes row i of every run at once: S
+// streams, each read front to back. The rows past S * q, fewer than S, follow as one stream.
 // Sums. Each weight vector meets the MM rows of x, into U partial sums per row of x and stream:
 // an FMA into a sum waits for the one before it, so 8 or more independent sums keep FMAs in
-// flight, and at most 14 leave AVX2's 16 vector registers room for a weight vector (the x
-// vectors come from L1 inside each FMA).
+// flight, and at most 14 leave AVX2's 16 vector registers room for the operands (the compiler
+// takes the rest from L1 inside the FMAs).
 // Prefetch. With 2 rows of x or more the loop also asks for the line g_ahead floats ahead into
 // L2 (locality 1: prefetcht2 on x86): between two weight lines there are more instructions, and
 // the core no longer looks far enough ahead by itself. How far is best depends on the CPU, so
@@ -52,10 +52,11 @@ __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, cons
         y[m * ldy + n] = bias ? v + bias[n] : v;
       }
   }
-  constexpr int U1 = std::max(1, std::min(S * U, 12 / MM));  // as many sums, at most 12
-  if constexpr (S > 1)  // the last (hi - lo) % S rows: one stream
+  // the last (hi - lo) % S rows: one stream, with the same U, so that every output is summed
+  // in the same order wherever a chunk ends (the same bits on 1, 2 or 3 threads)
+  if constexpr (S > 1)
     if (lo + S * q < hi)
-      linear_few_rows<MM, 1, U1>(x, ldx, w, ldw, K, bias, y, ldy, lo + S * q, hi);
+      linear_few_rows<MM, 1, U>(x, ldx, w, ldw, K, bias, y, ldy, lo + S * q, hi);
 }
 
 // The last K % kLanes columns (none for SmolLM2's 576 and 1536), added to y one float at a time
@@ -78,6 +79,12 @@ __attribute__((noinline)) void add_tail_columns(const float* x, int64_t ldx, int
 // 1.08x at three rows; 4 streams would be 16 sums at four rows), 2 from five rows on.
 void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
                  int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi) {
+  if (M > 7) {  // more rows than part 2 takes (over 4 vectors): 4 rows of x at a time
+    for (int64_t m = 0; m < M; m += 4)
+      linear_rows(x + m * ldx, ldx, std::min<int64_t>(4, M - m), w, ldw, K, bias, y + m * N, N,
+                  lo, hi);
+    return;
+  }
   switch (M) {
     case 1: linear_few_rows<1, 4, 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
     case 2: linear_few_rows<2, 4, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
@@ -97,10 +104,9 @@ namespace {
 // From kManyRows rows on, x is transposed (xt[k] holds column k of x, MV vectors, zeros past row
 // M), and each weight element, broadcast to a vector, meets MV vectors of rows at once: TR weight
 // rows x MV vectors of running sums, per k one load of each xt vector and one broadcast per
-// weight row, and no horizontal sum at the end. The tile above pays twice for many rows: with
-// AVX2's 16 registers its sums spill and each FMA reads x again (more loads than multiply-adds);
-// with AVX-512 each of its outputs ends in a horizontal sum of 16 lanes (hsum), next to 36 FMAs
-// for K = 576.
+// weight row, and no horizontal sum at the end. Part 1's loop pays twice for many rows: its
+// sums (rows x streams x sums) would outgrow AVX2's 16 registers, and each of its outputs ends
+// in a horizontal sum (hsum: of 16 lanes with AVX-512), next to 36 FMAs for K = 576.
 constexpr int64_t kManyRows = 8;  // measured on AVX2 and on AVX-512 (chapter 07)
 
 // The vectors here hold L floats: kLanes, except that an AVX-512 build takes 8-float vectors for
