@@ -12,7 +12,7 @@ buffer it mapped itself (``own_weights``): a library reads ahead only there, so 
 other build ran without its read-ahead (an A-A run on 2026-12-06 then gave 0.973x). Reported per
 batch size: the median step of each build and the median of the per-round ratios ("paired"),
 which drift between rounds moves much less than it moves two separate runs. Both builds must
-give the same greedy tokens. Where the revision measures the 2-4-row loop's prefetch distance
+give the same greedy tokens. Where the revision measures the 2-7-row loop's prefetch distance
 too (``set_prefetch_ahead``), it is given this tree's, measured once: two measurements may pick
 neighbouring distances, a difference in speed that is not the change's.
 

@@ -106,8 +106,12 @@ def compile_reader(folder: Path) -> Path:
     src, exe = folder / "streams.c", folder / "streams"
     src.write_text(C_SOURCE)
     for flags in (["-march=native"], []):  # a compiler that rejects -march=native: plain -O2
-        r = subprocess.run([cc, "-O2", *flags, "-pthread", str(src), "-o", str(exe)],
-                           capture_output=True, text=True, timeout=120, check=False)
+        try:
+            r = subprocess.run([cc, "-O2", *flags, "-pthread", str(src), "-o", str(exe)],
+                               capture_output=True, text=True, timeout=120, check=False)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"{cc} took over 2 minutes to compile a 60-line C file (about a "
+                             "second when idle): is the machine swapping?") from None
         if r.returncode == 0:
             return exe
     raise SystemExit(f"{cc} could not compile the reader: {r.stderr.strip()[-500:]}")
@@ -158,7 +162,7 @@ def run(rounds: int, threads: int, total: int = 1 << 30, blocks=BLOCKS) -> str:
 
     model, isa = cpu_info()
     lines = [
-        (f"{model} ({isa}), {os.cpu_count()} CPUs; {datetime_today()}; {threads} reader "
+        (f"{model} ({isa}), {os.cpu_count()} CPUs; {datetime.date.today()}; {threads} reader "
          f"threads; {gib / (1 << 30):g} GiB read per pattern; medians of {rounds} interleaved rounds; load "
          f"average {os.getloadavg()[0]:.1f} after."),
         "",
@@ -173,10 +177,6 @@ def run(rounds: int, threads: int, total: int = 1 << 30, blocks=BLOCKS) -> str:
         cells = [f"{gbs((s, b)):.1f} GB/s ({ratio((s, b)):.2f}x)" for s in STREAMS]
         lines.append(f"| {size(b)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def datetime_today() -> str:
-    return str(datetime.date.today())
 
 
 def main() -> None:

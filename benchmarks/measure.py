@@ -76,7 +76,7 @@ def kernel_line() -> str:
         return f"C++ kernels unavailable ({kernel.unavailable_reason()})"
     return (f"kernels built for {module.vector_isa()} ({module.vector_lanes()} floats per "
             f"vector, MINISGL_KERNEL_ISA={os.environ.get('MINISGL_KERNEL_ISA') or 'native'}; "
-            f"the 2-4-row loop prefetches {module.prefetch_ahead() * 4} bytes ahead, measured)")
+            f"the 2-7-row loop prefetches {module.prefetch_ahead() * 4} bytes ahead, measured)")
 
 
 def smaps(lo: int, hi: int) -> list[dict[str, str]] | None:

@@ -781,20 +781,21 @@ def test_asking_for_the_prefetch_distance_measures_it_first(kmod):
                          f"was {kept}")
 
 
-@pytest.mark.parametrize("rows, measured", [("1,5,8,16", False), ("2", True), ("4,3", True)])
+@pytest.mark.parametrize("rows, measured", [("1,8,16", False), ("2", True), ("4,3", True),
+                                            ("5", True), ("7", True)])
 def test_the_prefetch_distance_is_measured_once_when_the_loop_first_needs_it(kmod, rows,
                                                                              measured):
-    """A fresh process has no distance (-1); its first call of the 2-4-row loop measures one,
+    """A fresh process has no distance (-1); its first call of the 2-7-row loop measures one,
     no other loop does, and a later call keeps the distance it finds (a set one included)."""
     out = run_script(AHEAD_SCRIPT.replace("ROWS", rows))
     assert out.returncode == 0, out.stderr[-3000:]
     first, later = (int(v) for v in out.stdout.split())
     if measured:
         assert first >= 0, (f"linear.h part 6: after calls of {rows} rows the distance is still "
-                            f"unmeasured ({first}): measure it before the 2-4-row loop runs")
+                            f"unmeasured ({first}): measure it before the 2-7-row loop runs")
     else:
         assert first == -1, (f"linear.h part 6: calls of {rows} rows measured a distance "
-                             f"({first}) that only the 2-4-row loop uses")
+                             f"({first}) that only the 2-7-row loop uses")
     assert later == 12345, (f"linear.h part 6: a call measured again ({later}) over a distance "
                             "already set: measure only while there is none")
 

@@ -362,7 +362,7 @@ int64_t chunk_rows(int64_t N, int64_t K, int64_t tile) {
   return std::max<int64_t>(1, rows / tile) * tile;
 }
 
-// How far ahead the 2-4-row loop (part 1) asks for the weight, measured. The best distance
+// How far ahead the 2-7-row loop (part 1) asks for the weight, measured. The best distance
 // differs from CPU to CPU. An AMD Zen 4 (AVX-512) did best at 8 KB of 4 to 32 KB. A Zen 2 (AVX2)
 // did best at 1 KB, and from 1.25 KB on its decode steps of 2 to 4 rows were as slow as at 8 KB:
 // a prefetch that has to go all the way to memory likely holds one of the core's few miss
@@ -429,7 +429,7 @@ int64_t set_read_ahead(int64_t bytes) {
   return std::exchange(g_read_ahead, bytes);
 }
 
-// How far ahead the 2-4-row loop prefetches, in floats (measured first if it is not yet); a new
+// How far ahead the 2-7-row loop prefetches, in floats (measured first if it is not yet); a new
 // distance in its place, returning the old (-1: not measured yet); a new measurement, returning
 // each distance's fastest pass in seconds (none without the memory to measure). For tests and
 // benchmarks: the results never change.
@@ -491,7 +491,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     }, ahead);
     return y;
   }
-  if (M >= 2 && M <= 4) prefetch_ahead();  // measured before the 2-4-row loop first runs
+  if (M >= 2) prefetch_ahead();  // measured before the 2-7-row loop first runs
   workers().run(N, chunk_rows(N, K, 1), [&](int64_t lo, int64_t hi) {
     linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi);
   }, ahead);
