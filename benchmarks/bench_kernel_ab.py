@@ -12,9 +12,10 @@ buffer it mapped itself (``own_weights``): a library reads ahead only there, so 
 other build ran without its read-ahead (an A-A run on 2026-12-06 then gave 0.973x). Reported per
 batch size: the median step of each build and the median of the per-round ratios ("paired"),
 which drift between rounds moves much less than it moves two separate runs. Both builds must
-give the same greedy tokens. Where the revision measures the 2-7-row loop's prefetch distance
-too (``set_prefetch_ahead``), it is given this tree's, measured once: two measurements may pick
-neighbouring distances, a difference in speed that is not the change's.
+give the same greedy tokens. Each build chooses its own prefetch distance for the 2-7-row
+loop: this tree's tunes it in the first decode steps of each batch size, before any timed step
+(``MinisglRunner.tune_prefetch``), a revision before 2026-12-06's session 50 measured one
+distance once, by streaming a large weight.
 
 Why not the matmuls alone? A benchmark that calls ``linear`` back to back with one x leaves x in
 both cores' caches; in a step, x was just written by the calling thread (a norm, attention,
@@ -125,8 +126,6 @@ def run(args) -> str:
                 raise SystemExit("cpu_kernels=True but the Engine runs the torch code")
             runner = MinisglRunner(engine, tok)
             builds = {"this tree": current, args.against: other}
-            if hasattr(other, "set_prefetch_ahead"):  # one measured distance for both builds
-                other.set_prefetch_ahead(current.prefetch_ahead())
 
             placed = {name: own_weights(engine.model, module) for name, module in builds.items()}
 

@@ -74,9 +74,11 @@ def kernel_line() -> str:
     module = kernel.load()
     if module is None:
         return f"C++ kernels unavailable ({kernel.unavailable_reason()})"
+    tuned = [(r, module.prefetch_ahead(r)) for r in range(2, 8)]
+    tuned = ", ".join(f"{r} rows {a * 4} B" for r, a in tuned if a >= 0) or "none tuned yet"
     return (f"kernels built for {module.vector_isa()} ({module.vector_lanes()} floats per "
             f"vector, MINISGL_KERNEL_ISA={os.environ.get('MINISGL_KERNEL_ISA') or 'native'}; "
-            f"the 2-7-row loop prefetches {module.prefetch_ahead() * 4} bytes ahead, measured)")
+            f"the 2-7-row loop's prefetch distance, tuned in the step: {tuned})")
 
 
 def smaps(lo: int, hi: int) -> list[dict[str, str]] | None:
@@ -275,8 +277,33 @@ class MinisglRunner:
     def step(self, reqs, phase: str) -> list[int]:
         return run_step(self.engine, reqs, phase)
 
+    def tune_prefetch(self, batch_size: int, limit: int = 64) -> None:
+        """Decode steps until the kernels' 2-7-row loop has chosen its prefetch distance for
+        ``batch_size`` rows (``linear.h`` part 5 tunes it in the first steps of each row
+        count: 8 distances, two rounds of them for SmolLM2-135M), at most ``limit`` steps; none
+        where this Engine does not run that loop. Timed steps then all run at one distance."""
+        from minisgl import kernel
+
+        mod = kernel._MODULE
+        if (mod is None or not hasattr(mod, "prefetch_tuning") or not 2 <= batch_size <= 7
+                or not getattr(self.engine.config, "cpu_kernels", False)):
+            return  # no kernels, a build without tuning, no such loop, or the torch path
+        if mod.prefetch_ahead(batch_size) >= 0:
+            return
+        reqs = self.make_reqs([PROMPTS[i % len(PROMPTS)] for i in range(batch_size)], limit + 1)
+        self.step(reqs, "prefill")
+        for _ in range(limit):
+            self.step(reqs, "decode")
+            if mod.prefetch_ahead(batch_size) >= 0:
+                return
+        raise RuntimeError(f"the kernels' prefetch distance for {batch_size} rows was still "
+                           f"tuning after {limit} decode steps: does a step call `linear` "
+                           f"with {batch_size} rows for every weight?")
+
     def decode_times(self, batch_size: int, steps: int = 32, warmup: int = 4) -> list[float]:
-        """Per-step seconds of ``steps`` decode steps of ``batch_size`` requests."""
+        """Per-step seconds of ``steps`` decode steps of ``batch_size`` requests (after the
+        kernels' prefetch distance for this batch size is tuned: ``tune_prefetch``)."""
+        self.tune_prefetch(batch_size)
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
         reqs = self.make_reqs(prompts, steps + warmup + 1)
         self.step(reqs, "prefill")

@@ -671,11 +671,12 @@ def test_the_read_ahead_budget_is_one_cores_l2(kmod):
 
 
 def test_the_prefetch_distance_never_changes_a_result(kmod):
-    """Part 1's loop prefetches `g_ahead` floats ahead (measured in part 5): a hint to the memory
-    system, so every distance gives the same bits, on every loop of 1 to 7 rows, with K a whole
-    number of vectors and not, and a distance far past the end of the weight is harmless."""
+    """Part 1's loop prefetches `ahead` floats ahead (tuned per row count in part 5): a hint to
+    the memory system, so every distance gives the same bits, on every loop of 1 to 7 rows, with
+    K a whole number of vectors and not, and a distance far past the end of the weight is
+    harmless."""
     g = torch.Generator().manual_seed(7)
-    old = kmod.prefetch_ahead()
+    old = {m: kmod.prefetch_ahead(m) for m in range(2, 8)}
     distances = (0, 64, 256, 4096, 1 << 28)
     try:
         for m in range(1, 8):
@@ -683,7 +684,8 @@ def test_the_prefetch_distance_never_changes_a_result(kmod):
                 x, w = torch.randn(m, k, generator=g), torch.randn(300, k, generator=g)
                 outs = []
                 for d in distances:
-                    kmod.set_prefetch_ahead(d)
+                    if m >= 2:
+                        kmod.set_prefetch_ahead(m, d)
                     outs.append(kmod.linear(x, w, None))
                 for d, y in zip(distances, outs):
                     assert torch.equal(y, outs[0]), (
@@ -693,111 +695,117 @@ def test_the_prefetch_distance_never_changes_a_result(kmod):
                 err = (outs[0].double() - x.double() @ w.double().T).abs().max().item()
                 assert err < 1e-3, f"linear.h part 1: {m} rows, K={k}: off by {err:.3g}"
     finally:
-        kmod.set_prefetch_ahead(old)
+        for m, d in old.items():
+            kmod.set_prefetch_ahead(m, d)
 
 
-def test_the_prefetch_distance_is_the_fastest_one_measured(kmod):
-    """``measure_prefetch_ahead`` times every candidate distance and keeps the fastest one."""
-    old = kmod.prefetch_ahead()
+TUNING_SCRIPT = r"""
+import json, torch
+from minisgl import kernel
+mod = kernel.load()
+g = torch.Generator().manual_seed(0)
+w = torch.randn(1024, 1024, generator=g)
+untouched = all(mod.prefetch_ahead(r) == -1 and all(b == 0 for _, _, b in mod.prefetch_tuning(r))
+                for r in range(2, 8))
+for m in (1, 8, 16, 70):  # no 2-7-row call: nothing to tune, nothing timed
+    mod.linear(torch.randn(m, 1024, generator=g), w, None)
+others_after_1_8_16_70 = [[b for _, _, b in mod.prefetch_tuning(r)] for r in range(2, 8)]
+w2 = torch.randn(300, 1024, generator=g)  # two weights of different sizes, called in turn
+x = torch.randn(ROWS, 1024, generator=g)
+first = [mod.linear(x, w, None), mod.linear(x, w2, None)]
+calls, same = 2, True
+while mod.prefetch_ahead(ROWS) < 0 and calls < 40000:
+    same = same and torch.equal(mod.linear(x, (w, w2)[calls % 2], None), first[calls % 2])
+    calls += 1
+accounts = mod.prefetch_tuning(ROWS)
+for _ in range(20):  # chosen: later calls time nothing
+    mod.linear(x, w, None)
+print(json.dumps({"untouched": untouched, "before": others_after_1_8_16_70, "calls": calls,
+                  "same": same, "chosen": mod.prefetch_ahead(ROWS), "accounts": accounts,
+                  "after": mod.prefetch_tuning(ROWS),
+                  "others": {r: mod.prefetch_ahead(r) for r in range(2, 8) if r != ROWS}}))
+"""
+
+
+@pytest.mark.parametrize("rows", [2, 3, 7])
+def test_the_prefetch_distance_is_tuned_in_the_calls(kmod, rows):
+    """A fresh process has no distance (-1) and empty accounts; calls of 1, 8, 16 or 70 rows
+    touch none. Calls of `rows` rows (two weights of different sizes, in turn) take the
+    candidates in turn, each weight its own rounds; the choice comes at the start of a round,
+    every candidate's account covering the same bytes, and is the candidate with the least time
+    in its account; later calls time nothing. Other row counts are untouched, and no call's
+    result changes on the way."""
+    import json
+
+    out = run_script(TUNING_SCRIPT.replace("ROWS", str(rows)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["untouched"], "linear.h part 5: a fresh process must start with no distance (-1) " \
+                           "and empty accounts for every row count"
+    assert all(b == 0 for acc in r["before"] for b in acc), (
+        f"linear.h part 5: calls of 1, 8, 16 and 70 rows timed something for the 2-7-row loop: "
+        f"{r['before']}; only 2-7-row calls tune")
+    assert r["same"], f"linear.h part 1: a result changed while {rows} rows were tuning"
+    acc = r["accounts"]
+    assert r["chosen"] >= 0, (f"linear.h part 5: {r['calls']} calls of {rows} rows chose no "
+                              f"distance: {acc}")
+    dists = [d for d, _, _ in acc]
+    assert dists == sorted(set(dists)) and len(dists) >= 4 and r["chosen"] in dists, (
+        f"linear.h part 5: the kept distance {r['chosen']} must be one of the candidates {dists}")
+    assert all(math.isfinite(t) and t > 0 for _, t, _ in acc), (
+        f"linear.h part 5: every candidate needs a real time in its account: {acc}")
+    sizes = {b for _, _, b in acc}
+    assert len(sizes) == 1 and sizes.pop() > 0, (
+        f"linear.h part 5: the candidates were timed over different bytes {[b for *_, b in acc]}:"
+        " choose only at the start of a round, when each has had the same calls")
+    assert (r["calls"] - 1) % (2 * len(acc)) == 0, (
+        f"linear.h part 5: chose after {r['calls'] - 1} timed calls of two weights, not whole "
+        f"rounds of {len(acc)} candidates each")
+    best = min(acc, key=lambda a: a[1])[0]
+    assert r["chosen"] == best, (f"linear.h part 5: kept {r['chosen']} floats, but the least "
+                                 f"time was {best}'s: {acc}")
+    assert r["after"] == acc, ("linear.h part 5: calls after the choice still went to the "
+                               "accounts")
+    assert all(v == -1 for v in r["others"].values()), (
+        f"linear.h part 5: tuning {rows} rows chose distances for other row counts: "
+        f"{r['others']}")
+
+
+def test_a_set_prefetch_distance_is_kept_and_minus_one_tunes_again(kmod):
+    """``set_prefetch_ahead(rows, d)`` fixes a distance (calls then time nothing); -1 empties
+    the accounts and tunes again; a row count outside 2-7 or a distance below -1 is refused
+    with a message that says what is allowed."""
+    w, x = torch.randn(256, 64), torch.randn(3, 64)
+    old = kmod.prefetch_ahead(3)
     try:
-        kmod.set_prefetch_ahead(12345)  # no candidate: what is kept afterwards was measured
-        times = kmod.measure_prefetch_ahead(1)
-        dists = [d for d, _ in times]
-        assert dists == sorted(set(dists)) and dists[0] == 0 and len(dists) >= 3, (
-            f"linear.h part 5: the candidates {dists} should run from 0 (no prefetch) upwards")
-        assert all(math.isfinite(t) and 0 < t < 60 for _, t in times), (
-            f"linear.h part 5: every distance needs a real time (a pass over at most 256 MB): "
-            f"{times}")
-        best = min(times, key=lambda p: p[1])[0]
-        assert kmod.prefetch_ahead() == best, (
-            f"linear.h part 5: kept {kmod.prefetch_ahead()} floats, but the fastest pass was "
-            f"{best}: {times}")
-        with pytest.raises(RuntimeError, match="prefetch distance must be >= 0"):
-            kmod.set_prefetch_ahead(-1)
-        with pytest.raises(RuntimeError, match="rounds must be >= 1"):
-            kmod.measure_prefetch_ahead(0)
+        rounds = 2 * len(kmod.prefetch_tuning(3))  # calls for two rounds of the candidates
+        kmod.set_prefetch_ahead(3, -1)
+        for _ in range(rounds):  # tuning: two rounds in the accounts
+            kmod.linear(x, w, None)
+        assert sum(b for *_, b in kmod.prefetch_tuning(3)) > 0, (
+            "linear.h part 5: while tuning, two rounds of 3-row calls timed nothing")
+        kmod.set_prefetch_ahead(3, 128)
+        before = kmod.prefetch_tuning(3)
+        kmod.linear(x, w, None)
+        assert kmod.prefetch_ahead(3) == 128 and kmod.prefetch_tuning(3) == before, (
+            "linear.h part 6: a set distance was not kept, or calls still went to the accounts")
+        assert kmod.set_prefetch_ahead(3, -1) == 128
+        assert kmod.prefetch_ahead(3) == -1 and all(
+            s == 0 and b == 0 for _, s, b in kmod.prefetch_tuning(3)), (
+            "linear.h part 6: -1 must empty the accounts and tune again")
+        for _ in range(rounds):
+            kmod.linear(x, w, None)
+        assert sum(b for *_, b in kmod.prefetch_tuning(3)) > 0, (
+            "linear.h part 5: after -1, two rounds of 3-row calls timed nothing")
+        for bad in (1, 8, 0, -3):
+            with pytest.raises(RuntimeError, match="tuned for 2 to 7 rows"):
+                kmod.prefetch_ahead(bad)
+            with pytest.raises(RuntimeError, match="tuned for 2 to 7 rows"):
+                kmod.prefetch_tuning(bad)
+        with pytest.raises(RuntimeError, match="must be >= 0 floats"):
+            kmod.set_prefetch_ahead(3, -2)
     finally:
-        kmod.set_prefetch_ahead(old)
-
-
-AHEAD_SCRIPT = r"""
-import torch
-from minisgl import kernel
-mod = kernel.load()
-w = torch.randn(256, 64)
-for m in [ROWS]:
-    mod.linear(torch.randn(m, 64), w, None)
-first = mod.set_prefetch_ahead(12345)
-mod.linear(torch.randn(3, 64), w, None)
-print(first, mod.set_prefetch_ahead(0))
-"""
-
-
-NO_MEMORY_SCRIPT = r"""
-import resource, torch
-from minisgl import kernel
-mod = kernel.load()
-w, x = torch.randn(256, 64), torch.randn(3, 64)
-want = x.double() @ w.double().T
-mod.linear(torch.randn(1, 64), w, None)  # the workers started before the limit
-vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) << 10
-resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
-y = mod.linear(x, w, None)  # the first 3-row call: no room for the measurement's weight
-print(mod.set_prefetch_ahead(0), (y.double() - want).abs().max().item())
-"""
-
-
-def test_without_memory_for_the_measurement_the_matmul_still_runs(kmod):
-    """The measurement needs a weight four times the last-level cache; where that memory cannot
-    be had (here: an address-space limit 16 MB above what the process uses), ``linear`` must
-    still compute, with some distance >= 0, not fail: a prefetch distance is only a hint."""
-    if not pathlib.Path("/proc/self/status").exists():
-        pytest.skip("needs /proc/self/status to set the limit just above the process's size")
-    out = run_script(NO_MEMORY_SCRIPT)
-    assert out.returncode == 0, (f"linear.h part 5: a 3-row linear failed when the "
-                                 f"measurement had no memory: {out.stderr[-2000:]}")
-    kept, err = out.stdout.split()
-    assert int(kept) >= 0 and float(err) < 1e-3, (
-        f"linear.h part 5: without memory to measure, the distance is {kept} and the result "
-        f"off by {err}")
-
-
-GETTER_SCRIPT = r"""
-from minisgl import kernel
-mod = kernel.load()
-print(mod.prefetch_ahead(), mod.set_prefetch_ahead(7))
-"""
-
-
-def test_asking_for_the_prefetch_distance_measures_it_first(kmod):
-    """In a fresh process nothing has measured the distance yet: ``prefetch_ahead()`` must
-    measure it (a distance >= 0, then kept), not hand back the -1 that means "not yet"."""
-    out = run_script(GETTER_SCRIPT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got, kept = (int(v) for v in out.stdout.split())
-    assert got >= 0, (f"linear.h part 6: prefetch_ahead() returned {got} in a fresh process: "
-                      "measure the distance when there is none yet")
-    assert kept == got, (f"linear.h part 6: prefetch_ahead() said {got}, but the distance kept "
-                         f"was {kept}")
-
-
-@pytest.mark.parametrize("rows, measured", [("1,8,16", False), ("2", True), ("4,3", True),
-                                            ("5", True), ("7", True)])
-def test_the_prefetch_distance_is_measured_once_when_the_loop_first_needs_it(kmod, rows,
-                                                                             measured):
-    """A fresh process has no distance (-1); its first call of the 2-7-row loop measures one,
-    no other loop does, and a later call keeps the distance it finds (a set one included)."""
-    out = run_script(AHEAD_SCRIPT.replace("ROWS", rows))
-    assert out.returncode == 0, out.stderr[-3000:]
-    first, later = (int(v) for v in out.stdout.split())
-    if measured:
-        assert first >= 0, (f"linear.h part 6: after calls of {rows} rows the distance is still "
-                            f"unmeasured ({first}): measure it before the 2-7-row loop runs")
-    else:
-        assert first == -1, (f"linear.h part 6: calls of {rows} rows measured a distance "
-                             f"({first}) that only the 2-7-row loop uses")
-    assert later == 12345, (f"linear.h part 6: a call measured again ({later}) over a distance "
-                            "already set: measure only while there is none")
+        kmod.set_prefetch_ahead(3, old)
 
 
 def test_the_build_targets_this_cpus_widest_vectors(kmod):

@@ -33,10 +33,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pages where the OS has them: the only memory the workers read ahead");
   m.def("split_order", &split_order, "[chunks the caller took, chunks the workers took] of a "
         "split of n items, each chunk waiting us microseconds first");
-  m.def("prefetch_ahead", &prefetch_ahead, "floats the 2-7-row loop prefetches ahead (measured)");
-  m.def("set_prefetch_ahead", &set_prefetch_ahead, "a new prefetch distance in floats; the old");
-  m.def("measure_prefetch_ahead", &measure_prefetch_ahead, "measure again: (floats, fastest "
-        "pass in s) for each distance; the fastest is kept", py::arg("rounds") = 3);
+  m.def("prefetch_ahead", &prefetch_ahead, "floats the 2-7-row loop prefetches ahead at this "
+        "many rows of x (-1: still tuning)", py::arg("rows"));
+  m.def("set_prefetch_ahead", &set_prefetch_ahead, "fix the distance for this many rows (-1: "
+        "tune again); the old", py::arg("rows"), py::arg("floats"));
+  m.def("prefetch_tuning", &prefetch_tuning, "(floats, seconds, bytes) timed per candidate "
+        "distance at this many rows", py::arg("rows"));
   m.def("vector_lanes", &vector_lanes, "floats per vector in this build");
   m.def("vector_isa", &vector_isa, "the vector instructions this build targets");
 }

@@ -15,18 +15,20 @@ namespace {
 // an FMA into a sum waits for the one before it, so 8 or more independent sums keep FMAs in
 // flight, and at most 14 leave AVX2's 16 vector registers room for the operands (the compiler
 // takes the rest from L1 inside the FMAs).
-// Prefetch. With 2 rows of x or more the loop also asks for the line g_ahead floats ahead into
-// L2 (locality 1: prefetcht2 on x86): between two weight lines there are more instructions, and
-// the core no longer looks far enough ahead by itself. How far is best depends on the CPU, so
-// the distance is measured once, before the loop first runs (part 5).
+// Prefetch. With 2 rows of x or more the loop also asks for each stream's line `ahead` floats
+// further on: between two weight lines there are more instructions, and the core no longer
+// looks far enough ahead by itself. The hint is non-temporal (locality 0: prefetchnta on x86),
+// for data read once: on a Zen 2 the decode step at 2 to 4 rows took about 0.94x as long as with
+// prefetcht2 (into L2) at the best distance of each, likely because such a request holds fewer
+// of the core's buffers for lines on their way. How far is best depends on the CPU and on the
+// rows of x, so each row count's distance is tuned in the calls themselves (part 5).
 // Never inlined: each instance gets registers of its own, and a test reads its inner loop.
-int64_t g_ahead = -1;  // floats; -1: not measured yet
-
 template <int MM, int S, int U>
 __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, const float* w,
                                                int64_t ldw, int64_t K, const float* bias,
-                                               float* y, int64_t ldy, int64_t lo, int64_t hi) {
-  const int64_t ahead = g_ahead, q = (hi - lo) / S;  // rows per stream
+                                               float* y, int64_t ldy, int64_t lo, int64_t hi,
+                                               int64_t ahead) {
+  const int64_t q = (hi - lo) / S;  // rows per stream
   for (int64_t i = 0; i < q; ++i) {
     const float* ws[S];  // row i of each run
     for (int s = 0; s < S; ++s) ws[s] = w + (lo + s * q + i) * ldw;
@@ -36,7 +38,7 @@ __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, cons
       for (int u = 0; u < U; ++u)
         for (int s = 0; s < S; ++s) {
           if (MM > 1 && u * kLanes % 16 == 0)  // one row: the hardware keeps up by itself
-            __builtin_prefetch(ws[s] + k + u * kLanes + ahead, 0, 1);
+            __builtin_prefetch(ws[s] + k + u * kLanes + ahead, 0, 0);
           const vecf a = loadv(ws[s] + k + u * kLanes);
           for (int m = 0; m < MM; ++m) acc[m][s][u] += loadv(x + m * ldx + k + u * kLanes) * a;
         }
@@ -56,7 +58,7 @@ __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, cons
   // in the same order wherever a chunk ends (the same bits on 1, 2 or 3 threads)
   if constexpr (S > 1)
     if (lo + S * q < hi)
-      linear_few_rows<MM, 1, U>(x, ldx, w, ldw, K, bias, y, ldy, lo + S * q, hi);
+      linear_few_rows<MM, 1, U>(x, ldx, w, ldw, K, bias, y, ldy, lo + S * q, hi, ahead);
 }
 
 // The last K % kLanes columns (none for SmolLM2's 576 and 1536), added to y one float at a time
@@ -73,26 +75,28 @@ __attribute__((noinline)) void add_tail_columns(const float* x, int64_t ldx, int
     }
 }
 
-// Output features [lo, hi) for 1 to 7 rows of x (8 and more: part 2). Streams and sums per
+// Output features [lo, hi) for 1 to 7 rows of x (8 and more: part 2), prefetching `ahead`
+// floats ahead from 2 rows on. Streams and sums per
 // stream, measured on a Zen 2 in the decode step: 4 streams of 2 sums at one row (2 streams:
 // 1.15x its time, 8 streams alike), 4 of 1 sum at two rows, 3 at three and four rows (2 streams:
 // 1.08x at three rows; 4 streams would be 16 sums at four rows), 2 from five rows on.
 void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
-                 int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi) {
+                 int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi,
+                 int64_t ahead) {
   if (M > 7) {  // more rows than part 2 takes (over 4 vectors): 4 rows of x at a time
     for (int64_t m = 0; m < M; m += 4)
       linear_rows(x + m * ldx, ldx, std::min<int64_t>(4, M - m), w, ldw, K, bias, y + m * N, N,
-                  lo, hi);
+                  lo, hi, ahead);
     return;
   }
   switch (M) {
-    case 1: linear_few_rows<1, 4, 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
-    case 2: linear_few_rows<2, 4, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
-    case 3: linear_few_rows<3, 3, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
-    case 4: linear_few_rows<4, 3, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
-    case 5: linear_few_rows<5, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
-    case 6: linear_few_rows<6, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
-    default: linear_few_rows<7, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi); break;
+    case 1: linear_few_rows<1, 4, 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 2: linear_few_rows<2, 4, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 3: linear_few_rows<3, 3, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 4: linear_few_rows<4, 3, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 5: linear_few_rows<5, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 6: linear_few_rows<6, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    default: linear_few_rows<7, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
   }
   if (K % kLanes) add_tail_columns(x, ldx, M, w, ldw, K, y, N, lo, hi);
 }
@@ -362,53 +366,69 @@ int64_t chunk_rows(int64_t N, int64_t K, int64_t tile) {
   return std::max<int64_t>(1, rows / tile) * tile;
 }
 
-// How far ahead the 2-7-row loop (part 1) asks for the weight, measured. The best distance
-// differs from CPU to CPU. An AMD Zen 4 (AVX-512) did best at 8 KB of 4 to 32 KB. A Zen 2 (AVX2)
-// did best at 1 KB, and from 1.25 KB on its decode steps of 2 to 4 rows were as slow as at 8 KB:
-// a prefetch that has to go all the way to memory likely holds one of the core's few miss
-// buffers until the line arrives, while one a little ahead of the loop finds its line already
-// on its way (the hardware's own prefetcher runs ahead of a stream by itself).
-// So before the loop first runs, a weight four times the last-level cache (256 MB at most) is
-// streamed through it with 4 rows of x, on all the threads and in the chunks a matmul takes, at
-// each distance in turn, 3 rounds; the distance of the fastest pass is kept.
-constexpr int64_t kAheads[] = {0, 128, 192, 256, 320, 384, 512, 1024, 2048, 4096};  // floats
+// How far ahead the 2-7-row loop (part 1) asks for the weight: tuned in the calls themselves.
+// The best distance differs from CPU to CPU (with prefetcht2, a Zen 4 did best at 8 KB, a
+// Zen 2 at 1 KB) and, on the Zen 2 with prefetchnta, from row count to row count: in its decode
+// step 64-96 floats ahead at 2 rows, 128 at 3, 256-384 at 4 to 7. A pass over one large weight,
+// the measurement used before, picked other distances than the step (0 at 2 rows, 96-128 at 4),
+// so now the step measures. While a row count is tuning, call n of each weight takes candidate
+// n % kCandidates, and the weight keeps its fastest call at each candidate. A decode step calls
+// each weight once, so one whole step runs at one distance, the next step at the next. When a
+// weight starts a new round with R whole rounds behind it, and R times the bytes of the weights
+// with two rounds or more is kTuneBytes or more, the candidate whose fastest calls add up to the
+// least time over those weights is kept for good. Fastest, not total: the first step after a
+// prefill runs slower, whatever its distance, and in totals the candidate it fell to came out
+// 1.3x-1.5x the best at every row count, whichever distance that was.
+constexpr int64_t kAheads[] = {64, 96, 128, 192, 256, 384, 768, 2048};  // floats
+constexpr int kCandidates = std::size(kAheads);
+constexpr double kTuneBytes = double(768 << 20);  // SmolLM2-135M (538 MB): two rounds, 16 steps
 
-std::vector<double> time_aheads(int rounds) {  // each distance's fastest pass, in seconds (or none)
-  const int64_t K = 1024, N = std::min<int64_t>(4 * cache_bytes(3), 256 << 20) / (4 * K);
-  torch::Tensor buf;  // in 2 MB pages, as the Engine's weights (part 4)
-  try {
-    buf = weight_buffer(N * K * 4);
-  } catch (const c10::OutOfMemoryError&) {
-    return {};  // no memory for it: measure_ahead keeps kAheadUnmeasured
+struct Tuning {
+  struct Weight {
+    uint64_t calls = 0;
+    double bytes = 0, fastest[kCandidates];  // seconds: its fastest call at each distance
+    Weight() { std::fill_n(fastest, kCandidates, INFINITY); }
+  };
+  int64_t chosen = -1;  // floats; -1: still tuning
+  std::unordered_map<const float*, Weight> weights;  // each weight called while tuning
+
+  // Over the weights with two whole rounds or more: each candidate's fastest calls, added up
+  // (sec), and their bytes (the same for every candidate).
+  double accounts(double* sec) const {
+    double bytes = 0;
+    std::fill_n(sec, kCandidates, 0.0);
+    for (const auto& [w, tw] : weights)
+      if (tw.calls >= 2 * kCandidates) {
+        bytes += tw.bytes;
+        for (int i = 0; i < kCandidates; ++i) sec[i] += tw.fastest[i];
+      }
+    return bytes;
   }
-  float* w = static_cast<float*>(buf.data_ptr());
-  std::fill_n(w, N * K, 0.5f);
-  std::vector<float> x(4 * K, 1.0f), y(4 * N);
-  const int64_t chunk = chunk_rows(N, K, 1);
-  std::vector<double> best(std::size(kAheads), 1e30);
-  for (int r = 0; r < rounds; ++r)
-    for (size_t i = 0; i < best.size(); ++i) {
-      g_ahead = kAheads[i];
-      const auto t0 = std::chrono::steady_clock::now();
-      workers().run(N, chunk, [&](int64_t lo, int64_t hi) {
-        linear_rows(x.data(), K, 4, w, K, K, nullptr, y.data(), N, lo, hi);
-      });
-      const std::chrono::duration<double> t = std::chrono::steady_clock::now() - t0;
-      best[i] = std::min(best[i], t.count());
-    }
-  return best;  // g_ahead is left at the last distance: measure_ahead sets it
+};
+Tuning g_tuning[8];  // by rows of x: 2 to 7
+
+// This call's distance, and the candidate it times (-1: none). More than 7 rows go through
+// part 1 four at a time: they take the 4-row distance, and time nothing.
+std::pair<int64_t, int> pick_ahead(int64_t rows, const float* w) {
+  Tuning& t = g_tuning[rows > 7 ? 4 : rows];
+  if (t.chosen >= 0) return {t.chosen, -1};
+  if (rows > 7) return {kAheads[kCandidates / 2], -1};
+  if (t.weights.size() > 4096) t.weights.clear();  // a process that loads model after model
+  Tuning::Weight& tw = t.weights[w];
+  const uint64_t rounds = tw.calls / kCandidates;
+  const int c = int(tw.calls++ % kCandidates);
+  double sec[kCandidates];
+  if (c == 0 && double(rounds) * t.accounts(sec) >= kTuneBytes) {  // once a round per weight
+    t.chosen = kAheads[std::min_element(sec, sec + kCandidates) - sec];
+    return {t.chosen, -1};
+  }
+  return {kAheads[c], c};
 }
 
-// Measures every distance, keeps the fastest, and returns each one's time (for the benchmarks).
-// Without the memory to measure, the loop takes kAheadUnmeasured: the Zen 2's best, a hint like
-// any other (a matmul must never fail for want of a measurement).
-constexpr int64_t kAheadUnmeasured = 256;
-
-std::vector<double> measure_ahead(int rounds) {
-  const std::vector<double> t = time_aheads(rounds);
-  g_ahead = t.empty() ? kAheadUnmeasured
-                      : kAheads[std::min_element(t.begin(), t.end()) - t.begin()];
-  return t;
+void time_call(int64_t rows, const float* w, int c, double sec, int64_t bytes) {
+  Tuning::Weight& tw = g_tuning[rows].weights[w];
+  tw.bytes = double(bytes);
+  tw.fastest[c] = std::min(tw.fastest[c], sec);
 }
 
 }  // namespace
@@ -429,23 +449,30 @@ int64_t set_read_ahead(int64_t bytes) {
   return std::exchange(g_read_ahead, bytes);
 }
 
-// How far ahead the 2-7-row loop prefetches, in floats (measured first if it is not yet); a new
-// distance in its place, returning the old (-1: not measured yet); a new measurement, returning
-// each distance's fastest pass in seconds (none without the memory to measure). For tests and
-// benchmarks: the results never change.
-int64_t prefetch_ahead() {
-  if (g_ahead < 0) measure_ahead(3);
-  return g_ahead;
+// How far ahead the 2-7-row loop prefetches at `rows` rows of x, in floats (-1: still tuning);
+// a distance fixed in its place (-1: tune again, from empty accounts), returning the old; and
+// the tuning's accounts: (floats, seconds, bytes) per candidate, over the weights with two
+// whole rounds (part 5). For tests and benchmarks: the results never change, only their speed.
+Tuning& tuning_for(int64_t rows) {
+  TORCH_CHECK(rows >= 2 && rows <= 7, "the prefetch distance is tuned for 2 to 7 rows of x "
+              "(1 row prefetches nothing; more go 4 at a time), got ", rows);
+  return g_tuning[rows];
 }
-int64_t set_prefetch_ahead(int64_t floats) {
-  TORCH_CHECK(floats >= 0, "prefetch distance must be >= 0 floats, got ", floats);
-  return std::exchange(g_ahead, floats);
+int64_t prefetch_ahead(int64_t rows) { return tuning_for(rows).chosen; }
+int64_t set_prefetch_ahead(int64_t rows, int64_t floats) {
+  TORCH_CHECK(floats >= -1, "prefetch distance must be >= 0 floats (or -1: tune again), got ",
+              floats);
+  Tuning& t = tuning_for(rows);
+  const int64_t old = t.chosen;
+  if (floats < 0) t = Tuning{};
+  t.chosen = floats;
+  return old;
 }
-std::vector<std::pair<int64_t, double>> measure_prefetch_ahead(int64_t rounds) {
-  TORCH_CHECK(rounds >= 1, "rounds must be >= 1, got ", rounds);
-  const std::vector<double> t = measure_ahead((int)rounds);
-  std::vector<std::pair<int64_t, double>> out;
-  for (size_t i = 0; i < t.size(); ++i) out.emplace_back(kAheads[i], t[i]);
+std::vector<std::tuple<int64_t, double, double>> prefetch_tuning(int64_t rows) {
+  double sec[kCandidates];
+  const double bytes = tuning_for(rows).accounts(sec);
+  std::vector<std::tuple<int64_t, double, double>> out;
+  for (int i = 0; i < kCandidates; ++i) out.emplace_back(kAheads[i], sec[i], bytes);
   return out;
 }
 
@@ -479,7 +506,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldw = w.stride(0);
-  record_call(wp, ((N - 1) * ldw + K) * 4);
+  const int64_t bytes = ((N - 1) * ldw + K) * 4;  // of the weight
+  record_call(wp, bytes);
   const ReadAhead ahead = plan_read_ahead(wp);
   if (M >= kManyRows && M <= 4 * kLanes) {  // part 2
     const int64_t lanes = lanes_for_rows(M);
@@ -491,9 +519,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     }, ahead);
     return y;
   }
-  if (M >= 2) prefetch_ahead();  // measured before the 2-7-row loop first runs
+  const std::pair<int64_t, int> pick = M >= 2 ? pick_ahead(M, wp) : std::pair<int64_t, int>{0, -1};
+  const int64_t floats = pick.first;
+  const int candidate = pick.second;
+  const auto t0 = std::chrono::steady_clock::now();
   workers().run(N, chunk_rows(N, K, 1), [&](int64_t lo, int64_t hi) {
-    linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi);
+    linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi, floats);
   }, ahead);
+  if (candidate >= 0) {  // tuning (part 5): the weight's fastest call at this distance
+    const std::chrono::duration<double> t = std::chrono::steady_clock::now() - t0;
+    time_call(M, wp, candidate, t.count(), bytes);
+  }
   return y;
 }
