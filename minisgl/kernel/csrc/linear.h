@@ -78,8 +78,9 @@ __attribute__((noinline)) void add_tail_columns(const float* x, int64_t ldx, int
 // Output features [lo, hi) for 1 to 7 rows of x (8 and more: part 2), prefetching `ahead`
 // floats ahead from 2 rows on. Streams and sums per
 // stream, measured on a Zen 2 in the decode step: 4 streams of 2 sums at one row (2 streams:
-// 1.15x its time, 8 streams alike), 4 of 1 sum at two rows, 3 at three and four rows (2 streams:
-// 1.08x at three rows; 4 streams would be 16 sums at four rows), 2 from five rows on.
+// 1.15x its time, 8 streams alike), 4 of 1 sum at two and three rows (at three rows 3 streams
+// took 1.03x-1.04x the time, and 2 streams 1.08x the time of 3), 3 at four rows (4 streams would
+// be 16 sums, some on the stack: 1.06x), 2 from five rows on.
 void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
                  int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi,
                  int64_t ahead) {
@@ -92,7 +93,7 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t
   switch (M) {
     case 1: linear_few_rows<1, 4, 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
     case 2: linear_few_rows<2, 4, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
-    case 3: linear_few_rows<3, 3, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 3: linear_few_rows<3, 4, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
     case 4: linear_few_rows<4, 3, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
     case 5: linear_few_rows<5, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
     case 6: linear_few_rows<6, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
