@@ -722,7 +722,7 @@ for _ in range(20):  # chosen: later calls time nothing
     mod.linear(x, w, None)
 print(json.dumps({"untouched": untouched, "before": others_after_1_8_16_70, "calls": calls,
                   "same": same, "chosen": mod.prefetch_ahead(ROWS), "accounts": accounts,
-                  "after": mod.prefetch_tuning(ROWS),
+                  "after": mod.prefetch_tuning(ROWS), "tune_bytes": mod.prefetch_tune_bytes(),
                   "others": {r: mod.prefetch_ahead(r) for r in range(2, 8) if r != ROWS}}))
 """
 
@@ -761,6 +761,13 @@ def test_the_prefetch_distance_is_tuned_in_the_calls(kmod, rows):
     assert (r["calls"] - 1) % (2 * len(acc)) == 0, (
         f"linear.h part 5: chose after {r['calls'] - 1} timed calls of two weights, not whole "
         f"rounds of {len(acc)} candidates each")
+    both = (1024 + 300) * 1024 * 4  # the two weights' bytes
+    assert acc[0][2] == both, (f"linear.h part 5: the accounts cover {acc[0][2]} bytes; the two "
+                               f"weights have {both} (bytes, not floats, of each weight)")
+    rounds, want = (r["calls"] - 1) // (2 * len(acc)), max(2, math.ceil(r["tune_bytes"] / both))
+    assert rounds == want, (
+        f"linear.h part 5: chose after {rounds} rounds; the first round start with two rounds "
+        f"behind and rounds x {both} bytes >= {r['tune_bytes']} is round {want}")
     best = min(acc, key=lambda a: a[1])[0]
     assert r["chosen"] == best, (f"linear.h part 5: kept {r['chosen']} floats, but the least "
                                  f"time was {best}'s: {acc}")

@@ -37,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "many rows of x (-1: still tuning)", py::arg("rows"));
   m.def("set_prefetch_ahead", &set_prefetch_ahead, "fix the distance for this many rows (-1: "
         "tune again); the old", py::arg("rows"), py::arg("floats"));
+  m.def("prefetch_tune_bytes", &prefetch_tune_bytes, "rounds x bytes of the weights with two "
+        "rounds that end the tuning");
   m.def("prefetch_tuning", &prefetch_tuning, "(floats, seconds, bytes) timed per candidate "
         "distance at this many rows", py::arg("rows"));
   m.def("vector_lanes", &vector_lanes, "floats per vector in this build");

@@ -453,7 +453,8 @@ int64_t set_read_ahead(int64_t bytes) {
 // How far ahead the 2-7-row loop prefetches at `rows` rows of x, in floats (-1: still tuning);
 // a distance fixed in its place (-1: tune again, from empty accounts), returning the old; and
 // the tuning's accounts: (floats, seconds, bytes) per candidate, over the weights with two
-// whole rounds (part 5). For tests and benchmarks: the results never change, only their speed.
+// whole rounds (part 5), and kTuneBytes. For tests and benchmarks: the results never change,
+// only their speed.
 Tuning& tuning_for(int64_t rows) {
   TORCH_CHECK(rows >= 2 && rows <= 7, "the prefetch distance is tuned for 2 to 7 rows of x "
               "(1 row prefetches nothing; more go 4 at a time), got ", rows);
@@ -469,6 +470,7 @@ int64_t set_prefetch_ahead(int64_t rows, int64_t floats) {
   t.chosen = floats;
   return old;
 }
+int64_t prefetch_tune_bytes() { return int64_t(kTuneBytes); }  // R rounds x bytes to decide
 std::vector<std::tuple<int64_t, double, double>> prefetch_tuning(int64_t rows) {
   double sec[kCandidates];
   const double bytes = tuning_for(rows).accounts(sec);
