@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_decode import Engines
-from benchmarks.measure import PROMPTS, bench_parser, header, run_and_record
+from benchmarks.measure import batch_prompts, bench_parser, header, run_and_record
 
 MODES = {"kernels": "the kernels (`cpu_kernels=True`)",
          "hot": "stand-ins, caches hot",
@@ -167,7 +167,7 @@ def restore_model(runner) -> None:
 def timed_steps(runner, proxy: StandIns, batch: int, steps: int,
                 warmup: int = 4) -> list[tuple]:
     """(step seconds, seconds outside linear, seconds reading the stream) per decode step."""
-    reqs = runner.make_reqs([PROMPTS[i % len(PROMPTS)] for i in range(batch)], steps + warmup + 2)
+    reqs = runner.make_reqs(batch_prompts(batch), steps + warmup + 2)
     runner.step(reqs, "prefill")
     if proxy.mode == "replayed":
         replay_model(runner, proxy, reqs)
@@ -193,6 +193,7 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None,
     tok = AutoTokenizer.from_pretrained(model_path)
     engines = Engines(model_path, tok, threads)
     runner = engines.get(True)
+    runner.tune_prefetch(batch)  # with the real kernels, before any stand-in or timed step
     engine, real = runner.engine, kernel._MODULE
     stream = torch.ones((1200 << 20) // 4)  # 1.2 GiB: more than twice the weights
     stream.sum()  # touch every page once

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_decode import CONFIGS, Engines
 from benchmarks.measure import (
-    PROMPTS,
+    batch_prompts,
     bench_parser,
     header,
     run_and_record,
@@ -107,8 +107,7 @@ class Parts:
 
 def step_parts(runner, parts: Parts, batch: int, steps: int, warmup: int = 4) -> list[dict]:
     """Per step: the whole step's seconds ("step") and each part's, with the wrappers on."""
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-    reqs = runner.make_reqs(prompts, steps + warmup + 1)
+    reqs = runner.make_reqs(batch_prompts(batch), steps + warmup + 1)
     runner.step(reqs, "prefill")
     out = []
     for i in range(steps + warmup):

@@ -256,6 +256,11 @@ def run_step(engine, reqs, phase: str) -> list[int]:
     return out.next_tokens_cpu.tolist()
 
 
+def batch_prompts(n: int) -> list[str]:
+    """``n`` prompts for a decode batch: ``PROMPTS`` over and over."""
+    return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+
+
 class MinisglRunner:
     """Drive an Engine by hand, exactly as the milestone's step() does."""
 
@@ -290,7 +295,7 @@ class MinisglRunner:
             return  # no kernels, a build without tuning, no such loop, or the torch path
         if mod.prefetch_ahead(batch_size) >= 0:
             return
-        reqs = self.make_reqs([PROMPTS[i % len(PROMPTS)] for i in range(batch_size)], limit + 1)
+        reqs = self.make_reqs(batch_prompts(batch_size), limit + 1)
         self.step(reqs, "prefill")
         for _ in range(limit):
             self.step(reqs, "decode")
@@ -304,8 +309,7 @@ class MinisglRunner:
         """Per-step seconds of ``steps`` decode steps of ``batch_size`` requests (after the
         kernels' prefetch distance for this batch size is tuned: ``tune_prefetch``)."""
         self.tune_prefetch(batch_size)
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
-        reqs = self.make_reqs(prompts, steps + warmup + 1)
+        reqs = self.make_reqs(batch_prompts(batch_size), steps + warmup + 1)
         self.step(reqs, "prefill")
         times = []
         for i in range(steps + warmup):

@@ -525,13 +525,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   const std::pair<int64_t, int> pick = M >= 2 ? pick_ahead(M, wp) : std::pair<int64_t, int>{0, -1};
   const int64_t floats = pick.first;
   const int candidate = pick.second;
-  const auto t0 = std::chrono::steady_clock::now();
-  workers().run(N, chunk_rows(N, K, 1), [&](int64_t lo, int64_t hi) {
-    linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi, floats);
-  }, ahead);
-  if (candidate >= 0) {  // tuning (part 5): the weight's fastest call at this distance
-    const std::chrono::duration<double> t = std::chrono::steady_clock::now() - t0;
-    time_call(M, wp, candidate, t.count(), bytes);
+  const auto run = [&] {
+    workers().run(N, chunk_rows(N, K, 1), [&](int64_t lo, int64_t hi) {
+      linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi, floats);
+    }, ahead);
+  };
+  if (candidate < 0) {  // tuned, or a loop without the distance: no clock on the way
+    run();
+    return y;
   }
+  const auto t0 = std::chrono::steady_clock::now();  // tuning (part 5): time the call
+  run();
+  const std::chrono::duration<double> t = std::chrono::steady_clock::now() - t0;
+  time_call(M, wp, candidate, t.count(), bytes);
   return y;
 }
