@@ -74,11 +74,14 @@ def kernel_line() -> str:
     module = kernel.load()
     if module is None:
         return f"C++ kernels unavailable ({kernel.unavailable_reason()})"
-    tuned = [(r, module.prefetch_ahead(r)) for r in range(2, 8)]
-    tuned = ", ".join(f"{r} rows {a * 4} B" for r, a in tuned if a >= 0) or "none tuned yet"
+    hints = {0: "prefetchnta", 1: "prefetcht2"}
+    tuned = [(r, module.prefetch_ahead(r), getattr(module, "prefetch_locality", lambda r: 0)(r))
+             for r in range(2, 8)]
+    tuned = ", ".join(f"{r} rows {hints.get(h, h)} {a * 4} B" for r, a, h in tuned
+                      if a >= 0) or "none tuned yet"
     return (f"kernels built for {module.vector_isa()} ({module.vector_lanes()} floats per "
             f"vector, MINISGL_KERNEL_ISA={os.environ.get('MINISGL_KERNEL_ISA') or 'native'}; "
-            f"the 2-7-row loop's prefetch distance, tuned in the step: {tuned})")
+            f"the 2-7-row loop's prefetch, tuned in the step: {tuned})")
 
 
 def smaps(lo: int, hi: int) -> list[dict[str, str]] | None:

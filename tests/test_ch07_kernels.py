@@ -671,32 +671,34 @@ def test_the_read_ahead_budget_is_one_cores_l2(kmod):
 
 
 def test_the_prefetch_distance_never_changes_a_result(kmod):
-    """Part 1's loop prefetches `ahead` floats ahead (tuned per row count in part 5): a hint to
-    the memory system, so every distance gives the same bits, on every loop of 1 to 7 rows, with
-    K a whole number of vectors and not, and a distance far past the end of the weight is
+    """Part 1's loop prefetches `ahead` floats ahead with one of two hints (both tuned per row
+    count in part 5): a hint to the memory system, so every hint and distance gives the same
+    bits, on every loop of 1 to 7 rows (and 70: more than part 2 takes, four rows at a time),
+    with K a whole number of vectors and not, and a distance far past the end of the weight is
     harmless."""
     g = torch.Generator().manual_seed(7)
-    old = {m: kmod.prefetch_ahead(m) for m in range(2, 8)}
-    distances = (0, 64, 256, 4096, 1 << 28)
+    old = {m: (kmod.prefetch_ahead(m), kmod.prefetch_locality(m)) for m in range(2, 8)}
+    choices = [(loc, d) for loc in (0, 1) for d in (0, 64, 256, 4096, 1 << 28)]
     try:
-        for m in range(1, 8):
+        for m in (*range(1, 8), 70):
             for k in (40, 576, 1030):
                 x, w = torch.randn(m, k, generator=g), torch.randn(300, k, generator=g)
                 outs = []
-                for d in distances:
+                for loc, d in choices:
                     if m >= 2:
-                        kmod.set_prefetch_ahead(m, d)
+                        kmod.set_prefetch_ahead(min(m, 4) if m > 7 else m, d, loc)
                     outs.append(kmod.linear(x, w, None))
-                for d, y in zip(distances, outs):
+                for (loc, d), y in zip(choices, outs):
                     assert torch.equal(y, outs[0]), (
-                        f"linear.h part 1: {m} rows, K={k}: prefetching {d} floats ahead changed "
-                        f"the result (max diff {(y - outs[0]).abs().max().item():.3g}); the "
-                        "distance may only move a __builtin_prefetch, never a load")
+                        f"linear.h part 1: {m} rows, K={k}: prefetching {d} floats ahead with "
+                        f"locality {loc} changed the result (max diff "
+                        f"{(y - outs[0]).abs().max().item():.3g}); the hint and distance may only "
+                        "move a __builtin_prefetch, never a load")
                 err = (outs[0].double() - x.double() @ w.double().T).abs().max().item()
                 assert err < 1e-3, f"linear.h part 1: {m} rows, K={k}: off by {err:.3g}"
     finally:
-        for m, d in old.items():
-            kmod.set_prefetch_ahead(m, d)
+        for m, (d, loc) in old.items():
+            kmod.set_prefetch_ahead(m, d, max(loc, 0))
 
 
 TUNING_SCRIPT = r"""
@@ -705,11 +707,11 @@ from minisgl import kernel
 mod = kernel.load()
 g = torch.Generator().manual_seed(0)
 w = torch.randn(1024, 1024, generator=g)
-untouched = all(mod.prefetch_ahead(r) == -1 and all(b == 0 for _, _, b in mod.prefetch_tuning(r))
-                for r in range(2, 8))
+untouched = all(mod.prefetch_ahead(r) == -1 and mod.prefetch_locality(r) == -1
+                and all(b == 0 for *_, b in mod.prefetch_tuning(r)) for r in range(2, 8))
 for m in (1, 8, 16, 70):  # no 2-7-row call: nothing to tune, nothing timed
     mod.linear(torch.randn(m, 1024, generator=g), w, None)
-others_after_1_8_16_70 = [[b for _, _, b in mod.prefetch_tuning(r)] for r in range(2, 8)]
+others_after_1_8_16_70 = [[b for *_, b in mod.prefetch_tuning(r)] for r in range(2, 8)]
 w2 = torch.randn(300, 1024, generator=g)  # two weights of different sizes, called in turn
 x = torch.randn(ROWS, 1024, generator=g)
 first = [mod.linear(x, w, None), mod.linear(x, w2, None)]
@@ -720,41 +722,48 @@ while mod.prefetch_ahead(ROWS) < 0 and calls < 40000:
 accounts = mod.prefetch_tuning(ROWS)
 for _ in range(20):  # chosen: later calls time nothing
     mod.linear(x, w, None)
+ran = mod.last_prefetch()  # what the loop ran with: the choice
 print(json.dumps({"untouched": untouched, "before": others_after_1_8_16_70, "calls": calls,
-                  "same": same, "chosen": mod.prefetch_ahead(ROWS), "accounts": accounts,
+                  "same": same, "accounts": accounts,
+                  "chosen": [mod.prefetch_locality(ROWS), mod.prefetch_ahead(ROWS)],
                   "after": mod.prefetch_tuning(ROWS), "tune_bytes": mod.prefetch_tune_bytes(),
+                  "ran": ran,
                   "others": {r: mod.prefetch_ahead(r) for r in range(2, 8) if r != ROWS}}))
 """
 
 
 @pytest.mark.parametrize("rows", [2, 3, 7])
 def test_the_prefetch_distance_is_tuned_in_the_calls(kmod, rows):
-    """A fresh process has no distance (-1) and empty accounts; calls of 1, 8, 16 or 70 rows
-    touch none. Calls of `rows` rows (two weights of different sizes, in turn) take the
-    candidates in turn, each weight its own rounds; the choice comes at the start of a round,
-    every candidate's account covering the same bytes, and is the candidate with the least time
-    in its account; later calls time nothing. Other row counts are untouched, and no call's
-    result changes on the way."""
+    """A fresh process has no hint or distance (-1) and empty accounts; calls of 1, 8, 16 or 70
+    rows touch none. Calls of `rows` rows (two weights of different sizes, in turn) take the
+    candidates (hint, distance) in turn, each weight its own rounds; the choice comes at the
+    start of a round, every candidate's account covering the same bytes, and is the candidate
+    with the least time in its account; later calls time nothing. Other row counts are
+    untouched, and no call's result changes on the way."""
     import json
 
     out = run_script(TUNING_SCRIPT.replace("ROWS", str(rows)))
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["untouched"], "linear.h part 5: a fresh process must start with no distance (-1) " \
-                           "and empty accounts for every row count"
+    assert r["untouched"], "linear.h part 5: a fresh process must start with no hint or " \
+                           "distance (-1) and empty accounts for every row count"
     assert all(b == 0 for acc in r["before"] for b in acc), (
         f"linear.h part 5: calls of 1, 8, 16 and 70 rows timed something for the 2-7-row loop: "
         f"{r['before']}; only 2-7-row calls tune")
     assert r["same"], f"linear.h part 1: a result changed while {rows} rows were tuning"
     acc = r["accounts"]
-    assert r["chosen"] >= 0, (f"linear.h part 5: {r['calls']} calls of {rows} rows chose no "
-                              f"distance: {acc}")
-    dists = [d for d, _, _ in acc]
-    assert dists == sorted(set(dists)) and len(dists) >= 4 and r["chosen"] in dists, (
-        f"linear.h part 5: the kept distance {r['chosen']} must be one of the candidates {dists}")
-    assert all(math.isfinite(t) and t > 0 for _, t, _ in acc), (
+    assert min(r["chosen"]) >= 0, (f"linear.h part 5: {r['calls']} calls of {rows} rows chose "
+                                   f"no hint and distance: {r['chosen']}, {acc}")
+    cands = [[loc, d] for loc, d, _, _ in acc]
+    assert len({tuple(c) for c in cands}) == len(cands) >= 4 and r["chosen"] in cands, (
+        f"linear.h part 5: the kept (locality, floats) {r['chosen']} must be one of the "
+        f"candidates, each once: {cands}")
+    assert {loc for loc, _ in cands} == {0, 1}, (
+        f"linear.h part 5: the candidates must try both hints (0: prefetchnta, 1: prefetcht2): "
+        f"{cands}")
+    assert all(math.isfinite(t) and t > 0 for *_, t, _ in acc), (
         f"linear.h part 5: every candidate needs a real time in its account: {acc}")
-    sizes = {b for _, _, b in acc}
+    sizes = {b for *_, b in acc}
     assert len(sizes) == 1 and sizes.pop() > 0, (
         f"linear.h part 5: the candidates were timed over different bytes {[b for *_, b in acc]}:"
         " choose only at the start of a round, when each has had the same calls")
@@ -762,28 +771,33 @@ def test_the_prefetch_distance_is_tuned_in_the_calls(kmod, rows):
         f"linear.h part 5: chose after {r['calls'] - 1} timed calls of two weights, not whole "
         f"rounds of {len(acc)} candidates each")
     both = (1024 + 300) * 1024 * 4  # the two weights' bytes
-    assert acc[0][2] == both, (f"linear.h part 5: the accounts cover {acc[0][2]} bytes; the two "
+    assert acc[0][3] == both, (f"linear.h part 5: the accounts cover {acc[0][3]} bytes; the two "
                                f"weights have {both} (bytes, not floats, of each weight)")
     rounds, want = (r["calls"] - 1) // (2 * len(acc)), max(2, math.ceil(r["tune_bytes"] / both))
     assert rounds == want, (
         f"linear.h part 5: chose after {rounds} rounds; the first round start with two rounds "
         f"behind and rounds x {both} bytes >= {r['tune_bytes']} is round {want}")
-    best = min(acc, key=lambda a: a[1])[0]
-    assert r["chosen"] == best, (f"linear.h part 5: kept {r['chosen']} floats, but the least "
-                                 f"time was {best}'s: {acc}")
+    best = list(min(acc, key=lambda a: a[2])[:2])
+    assert r["chosen"] == best, (f"linear.h part 5: kept (locality, floats) {r['chosen']}, but "
+                                 f"the least time was {best}'s: {acc}")
     assert r["after"] == acc, ("linear.h part 5: calls after the choice still went to the "
                                "accounts")
+    assert r["ran"] == r["chosen"], (
+        f"linear.h part 6: the loop ran with (locality, floats) {r['ran']} after "
+        f"{r['chosen']} was chosen: linear must call linear_rows<Loc> for the chosen hint")
     assert all(v == -1 for v in r["others"].values()), (
         f"linear.h part 5: tuning {rows} rows chose distances for other row counts: "
         f"{r['others']}")
 
 
 def test_a_set_prefetch_distance_is_kept_and_minus_one_tunes_again(kmod):
-    """``set_prefetch_ahead(rows, d)`` fixes a distance (calls then time nothing); -1 empties
-    the accounts and tunes again; a row count outside 2-7 or a distance below -1 is refused
-    with a message that says what is allowed."""
+    """``set_prefetch_ahead(rows, d, locality)`` fixes a distance and hint (calls then time
+    nothing, and the loop runs with them: ``last_prefetch``); -1 empties the accounts and tunes
+    again; a row count outside 2-7, a distance below
+    -1 or a hint the loop is not built with is refused with a message that says what is
+    allowed."""
     w, x = torch.randn(256, 64), torch.randn(3, 64)
-    old = kmod.prefetch_ahead(3)
+    old = (kmod.prefetch_ahead(3), max(kmod.prefetch_locality(3), 0))
     try:
         rounds = 2 * len(kmod.prefetch_tuning(3))  # calls for two rounds of the candidates
         kmod.set_prefetch_ahead(3, -1)
@@ -791,14 +805,29 @@ def test_a_set_prefetch_distance_is_kept_and_minus_one_tunes_again(kmod):
             kmod.linear(x, w, None)
         assert sum(b for *_, b in kmod.prefetch_tuning(3)) > 0, (
             "linear.h part 5: while tuning, two rounds of 3-row calls timed nothing")
-        kmod.set_prefetch_ahead(3, 128)
-        before = kmod.prefetch_tuning(3)
-        kmod.linear(x, w, None)
-        assert kmod.prefetch_ahead(3) == 128 and kmod.prefetch_tuning(3) == before, (
-            "linear.h part 6: a set distance was not kept, or calls still went to the accounts")
+        for loc in (1, 0):
+            kmod.set_prefetch_ahead(3, 128, loc)
+            before = kmod.prefetch_tuning(3)
+            kmod.linear(x, w, None)
+            assert (kmod.prefetch_ahead(3), kmod.prefetch_locality(3)) == (128, loc), (
+                f"linear.h part 6: a set distance and hint (128, {loc}) were not kept")
+            assert tuple(kmod.last_prefetch()) == (loc, 128), (
+                f"linear.h part 6: set to (locality {loc}, 128 floats), the 3-row loop ran with "
+                f"{kmod.last_prefetch()}: linear must call linear_rows<Loc> for the set hint")
+            old4 = (kmod.prefetch_ahead(4), max(kmod.prefetch_locality(4), 0))
+            try:  # more rows than part 2 takes go 4 at a time, with the 4-row choice
+                kmod.set_prefetch_ahead(4, 256, loc)
+                kmod.linear(torch.randn(70, 64), w, None)
+                assert tuple(kmod.last_prefetch()) == (loc, 256), (
+                    f"linear.h part 1: 70 rows, 4 at a time, ran with {kmod.last_prefetch()}, "
+                    f"not the 4-row choice (locality {loc}, 256 floats)")
+            finally:
+                kmod.set_prefetch_ahead(4, *old4)
+            assert kmod.prefetch_tuning(3) == before, (
+                "linear.h part 6: with a set distance, calls still went to the accounts")
         assert kmod.set_prefetch_ahead(3, -1) == 128
-        assert kmod.prefetch_ahead(3) == -1 and all(
-            s == 0 and b == 0 for _, s, b in kmod.prefetch_tuning(3)), (
+        assert kmod.prefetch_ahead(3) == -1 and kmod.prefetch_locality(3) == -1 and all(
+            s == 0 and b == 0 for *_, s, b in kmod.prefetch_tuning(3)), (
             "linear.h part 6: -1 must empty the accounts and tune again")
         for _ in range(rounds):
             kmod.linear(x, w, None)
@@ -809,10 +838,16 @@ def test_a_set_prefetch_distance_is_kept_and_minus_one_tunes_again(kmod):
                 kmod.prefetch_ahead(bad)
             with pytest.raises(RuntimeError, match="tuned for 2 to 7 rows"):
                 kmod.prefetch_tuning(bad)
+            with pytest.raises(RuntimeError, match="tuned for 2 to 7 rows"):
+                kmod.prefetch_locality(bad)
         with pytest.raises(RuntimeError, match="must be >= 0 floats"):
             kmod.set_prefetch_ahead(3, -2)
+        for bad in (2, 3, -1):
+            with pytest.raises(RuntimeError, match=r"locality must be 0 \(non-temporal"):
+                kmod.set_prefetch_ahead(3, 128, bad)
+        assert kmod.prefetch_ahead(3) == -1, "linear.h part 6: a refused call changed the distance"
     finally:
-        kmod.set_prefetch_ahead(3, old)
+        kmod.set_prefetch_ahead(3, *old)
 
 
 def test_the_build_targets_this_cpus_widest_vectors(kmod):
@@ -970,7 +1005,8 @@ def test_the_many_rows_loop_keeps_its_sums_in_registers(tmp_path):
     the kernels for 4, 8 and 16-float vectors (object files only: no CPU here needs to run
     them) and read every `linear_rows_t<L, MV, TR>`'s inner loop: no vector register may go to
     or come from the stack there. The same holds for the loop of 1 to 7 rows,
-    `linear_few_rows<MM, S, U>`: MM x S x U sums, up to 14 of AVX2's 16 registers."""
+    `linear_few_rows<MM, S, U, Loc>`: MM x S x U sums, up to 14 of AVX2's 16 registers; and
+    that loop reads each vector once a pass (check_few_rows_loads)."""
     import platform
     import shutil
     import sysconfig
@@ -1039,6 +1075,58 @@ def test_the_many_rows_loop_keeps_its_sums_in_registers(tmp_path):
                     "(linear_rows_many) and 14 in the few-rows loop (rows x streams x sums, "
                     "linear_rows), load each x vector on its own (load_vec), and index the sums "
                     "by constants only.")
+            if name in few:
+                check_few_rows_loads(name, lanes, bodies)
+
+
+def memory_reads(body: list[str]) -> int:
+    """How many instructions of a loop read memory: a load, or an operation that takes one of
+    its operands from memory (AT&T syntax: a source operand in parentheses). Prefetches,
+    address arithmetic (lea) and jumps (whose target objdump names with its arguments) read
+    nothing."""
+    import re
+
+    count = 0
+    for ins in body:
+        mnemonic, _, ops = ins.partition(" ")
+        if mnemonic.startswith(("prefetch", "lea", "nop", "j", "call")) or "(" not in ops:
+            continue
+        operands = re.findall(r"[^,(]*(?:\([^)]*\))?[^,]*", ops.strip())
+        operands = [o for o in operands if o.strip()]
+        count += any("(" in o for o in operands[:-1])
+    return count
+
+
+def check_few_rows_loads(name: str, lanes: int, bodies: list[list[str]]) -> None:
+    """`linear_few_rows<MM, S, U, Loc>` loads each vector of x once a pass and each stream's
+    weight vector once: U * (S + MM) reads for MM * S * U multiply-adds, where the registers
+    hold them (32 with AVX-512, 16 otherwise). Rows of x that the sums and the weight vector
+    leave no register for are read from L1 by every stream. GCC 12, left to itself, read the
+    weight vectors again inside the FMAs of the AVX-512 build (21 reads for 12 FMAs at 4 rows).
+    SSE (the 4-float build) multiplies in place: a product takes one of its 16 registers for a
+    copy. And the loop prefetches with the hint its Loc names (0: prefetchnta, 1: prefetcht2),
+    from 2 rows on; one row prefetches nothing."""
+    import re
+
+    mm, s, u, loc = (int(a) for a in name[name.index("<") + 1:name.index(">")].split(","))
+    for body in bodies:
+        hints = {i.split()[0] for i in body if i.startswith("prefetch")}
+        want = set() if mm == 1 else {("prefetchnta", "prefetcht2")[loc]}
+        assert hints == want, (
+            f"{lanes}-float build: the inner loop of {name} prefetches with {sorted(hints)}, not "
+            f"{sorted(want)}: __builtin_prefetch's locality must be the template's Loc (0: "
+            "non-temporal, 1: into L2), and one row of x prefetches nothing")
+    regs = {16: 32, 8: 16}.get(lanes, 15)
+    in_regs = max(0, min(mm, regs - mm * s * u - 1))
+    allowed = u * (s + in_regs + (mm - in_regs) * s)  # per pass of mm * s * u products
+    for body in bodies:
+        products = sum(bool(re.match(r"v?(fn?madd\w*ps|mulps)\b", i)) for i in body)
+        reads = memory_reads(body)
+        assert reads * mm * s * u <= allowed * products, (
+            f"{lanes}-float build: the inner loop of {name} reads memory {reads} times for "
+            f"{products} multiply-adds; at most {allowed} per {mm * s * u} (each x vector and "
+            f"weight vector once a pass, {mm - in_regs} rows of x from L1): are the vectors of x "
+            "and the weight held with in_register (common.h) after they are loaded?")
 
 
 def test_the_matmul_loops_start_a_line_of_code(kmod):

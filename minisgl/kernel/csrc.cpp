@@ -35,12 +35,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "split of n items, each chunk waiting us microseconds first");
   m.def("prefetch_ahead", &prefetch_ahead, "floats the 2-7-row loop prefetches ahead at this "
         "many rows of x (-1: still tuning)", py::arg("rows"));
-  m.def("set_prefetch_ahead", &set_prefetch_ahead, "fix the distance for this many rows (-1: "
-        "tune again); the old", py::arg("rows"), py::arg("floats"));
+  m.def("prefetch_locality", &prefetch_locality, "the hint the 2-7-row loop prefetches with at "
+        "this many rows of x (0: prefetchnta, 1: prefetcht2; -1: still tuning)", py::arg("rows"));
+  m.def("set_prefetch_ahead", &set_prefetch_ahead, "fix the distance and hint for this many rows "
+        "(floats -1: tune again); the old distance", py::arg("rows"), py::arg("floats"),
+        py::arg("locality") = 0);
+  m.def("last_prefetch", &last_prefetch, "(locality, floats) the 2-7-row loop last prefetched "
+        "with ((-1, -1): not run yet)");
   m.def("prefetch_tune_bytes", &prefetch_tune_bytes, "rounds x bytes of the weights with two "
         "rounds that end the tuning");
-  m.def("prefetch_tuning", &prefetch_tuning, "(floats, seconds, bytes) timed per candidate "
-        "distance at this many rows", py::arg("rows"));
+  m.def("prefetch_tuning", &prefetch_tuning, "(locality, floats, seconds, bytes) timed per "
+        "candidate at this many rows", py::arg("rows"));
   m.def("vector_lanes", &vector_lanes, "floats per vector in this build");
   m.def("vector_isa", &vector_isa, "the vector instructions this build targets");
 }

@@ -78,6 +78,25 @@ inline void cpu_relax() {}
 namespace {
 
 constexpr int kLanes = MINISGL_LANES;
+// vector registers a loop can fill with values: SSE's multiply writes over an operand, so
+// there a product needs one of the 16 for a copy
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kVecRegs = 32;
+#elif defined(__AVX__)
+constexpr int kVecRegs = 16;
+#else
+constexpr int kVecRegs = 15;
+#endif
+// v, from here on, lives in a vector register: the compiler may not read it from memory again
+// (an empty asm statement that takes v in a register and may have changed it)
+template <typename V>
+inline void in_register(V& v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
+}
 typedef float vecf __attribute__((vector_size(MINISGL_LANES * sizeof(float))));
 // A vector of N floats, for code that needs another width than vecf's (N a power of two),
 // read from any float address.

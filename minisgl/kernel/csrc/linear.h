@@ -11,23 +11,27 @@ namespace {
 // Zen 2, 2 threads, 32-33 GB/s with one stream each, 48-51 GB/s with four: bench_streams.py).
 // So the chunk is cut into S runs of q rows, and the loop takes row i of every run at once: S
 // streams, each read front to back. The rows past S * q, fewer than S, follow as one stream.
-// Sums. Each weight vector meets the MM rows of x, into U partial sums per row of x and stream:
-// an FMA into a sum waits for the one before it, so 8 or more independent sums keep FMAs in
-// flight, and at most 14 leave AVX2's 16 vector registers room for the operands (the compiler
-// takes the rest from L1 inside the FMAs).
+// Sums and registers. Each weight vector meets the MM rows of x, into U partial sums per row of
+// x and stream: an FMA into a sum waits for the one before it, so 8 or more independent sums
+// keep FMAs in flight, and at most 14 leave AVX2's 16 vector registers room for the operands.
+// A pass loads each vector of x once for all S streams and each weight vector once for all MM
+// rows: in_register (common.h) keeps them there. Left alone, GCC 12's AVX-512 build read them
+// again inside the FMAs (21 loads for 12 FMAs at 4 rows: half the speed in L2 on a Zen 4). Rows
+// of x the registers cannot hold (AVX2, 4 rows and more) are read from L1 by every stream.
 // Prefetch. With 2 rows of x or more the loop also asks for each stream's line `ahead` floats
 // further on: between two weight lines there are more instructions, and the core no longer
-// looks far enough ahead by itself. The hint is non-temporal (locality 0: prefetchnta on x86),
-// for data read once: on a Zen 2 the decode step at 2 to 4 rows took about 0.94x as long as with
-// prefetcht2 (into L2) at the best distance of each, likely because such a request holds fewer
-// of the core's buffers for lines on their way. How far is best depends on the CPU and on the
-// rows of x, so each row count's distance is tuned in the calls themselves (part 5).
+// looks far enough ahead by itself. Hint Loc 0 is non-temporal (prefetchnta on x86), Loc 1 into
+// L2 (prefetcht2): in the decode step at 2 to 4 rows a Zen 2 did best with the first (0.94x the
+// time), a Zen 4 with the second (0.92x-0.96x). Which, and how far ahead, is tuned in the calls
+// themselves, per row count (part 5).
 // Never inlined: each instance gets registers of its own, and a test reads its inner loop.
-template <int MM, int S, int U>
+template <int MM, int S, int U, int Loc>
 __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, const float* w,
                                                int64_t ldw, int64_t K, const float* bias,
                                                float* y, int64_t ldy, int64_t lo, int64_t hi,
                                                int64_t ahead) {
+  // the rows of x held in registers: as many as the sums and the weight vector leave room for
+  constexpr int kPinned = std::max(0, std::min(MM, kVecRegs - MM * S * U - 1));
   const int64_t q = (hi - lo) / S;  // rows per stream
   for (int64_t i = 0; i < q; ++i) {
     const float* ws[S];  // row i of each run
@@ -35,13 +39,20 @@ __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, cons
     vecf acc[MM][S][U] = {};
     int64_t k = 0;
     for (; k + U * kLanes <= K; k += U * kLanes)
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < U; ++u) {
+        vecf xv[MM];  // this vector of each row of x, loaded once for all S streams
+        for (int m = 0; m < MM; ++m) {
+          xv[m] = loadv(x + m * ldx + k + u * kLanes);
+          if (m < kPinned) in_register(xv[m]);
+        }
         for (int s = 0; s < S; ++s) {
           if (MM > 1 && u * kLanes % 16 == 0)  // one row: the hardware keeps up by itself
-            __builtin_prefetch(ws[s] + k + u * kLanes + ahead, 0, 0);
-          const vecf a = loadv(ws[s] + k + u * kLanes);
-          for (int m = 0; m < MM; ++m) acc[m][s][u] += loadv(x + m * ldx + k + u * kLanes) * a;
+            __builtin_prefetch(ws[s] + k + u * kLanes + ahead, 0, Loc);
+          vecf a = loadv(ws[s] + k + u * kLanes);
+          if (MM > 1) in_register(a);  // one row: a single FMA takes it from memory itself
+          for (int m = 0; m < MM; ++m) acc[m][s][u] += xv[m] * a;
         }
+      }
     for (; k + kLanes <= K; k += kLanes)  // K % kLanes columns left: add_tail_columns
       for (int s = 0; s < S; ++s) {
         const vecf a = loadv(ws[s] + k);
@@ -58,7 +69,7 @@ __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, cons
   // in the same order wherever a chunk ends (the same bits on 1, 2 or 3 threads)
   if constexpr (S > 1)
     if (lo + S * q < hi)
-      linear_few_rows<MM, 1, U>(x, ldx, w, ldw, K, bias, y, ldy, lo + S * q, hi, ahead);
+      linear_few_rows<MM, 1, U, Loc>(x, ldx, w, ldw, K, bias, y, ldy, lo + S * q, hi, ahead);
 }
 
 // The last K % kLanes columns (none for SmolLM2's 576 and 1536), added to y one float at a time
@@ -76,28 +87,35 @@ __attribute__((noinline)) void add_tail_columns(const float* x, int64_t ldx, int
 }
 
 // Output features [lo, hi) for 1 to 7 rows of x (8 and more: part 2), prefetching `ahead`
-// floats ahead from 2 rows on. Streams and sums per
+// floats ahead with hint Loc from 2 rows on. Streams and sums per
 // stream, measured on a Zen 2 in the decode step: 4 streams of 2 sums at one row (2 streams:
 // 1.15x its time, 8 streams alike), 4 of 1 sum at two and three rows (at three rows 3 streams
 // took 1.03x-1.04x the time, and 2 streams 1.08x the time of 3), 3 at four rows (4 streams would
 // be 16 sums, some on the stack: 1.06x), 2 from five rows on.
+std::atomic<int64_t> g_ran_locality{-1}, g_ran_ahead{-1};  // for tests: the last prefetch run
+
+template <int Loc>
 void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
                  int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi,
                  int64_t ahead) {
+  if (M >= 2 && M <= 7) {
+    g_ran_locality.store(Loc, std::memory_order_relaxed);
+    g_ran_ahead.store(ahead, std::memory_order_relaxed);
+  }
   if (M > 7) {  // more rows than part 2 takes (over 4 vectors): 4 rows of x at a time
     for (int64_t m = 0; m < M; m += 4)
-      linear_rows(x + m * ldx, ldx, std::min<int64_t>(4, M - m), w, ldw, K, bias, y + m * N, N,
-                  lo, hi, ahead);
+      linear_rows<Loc>(x + m * ldx, ldx, std::min<int64_t>(4, M - m), w, ldw, K, bias,
+                       y + m * N, N, lo, hi, ahead);
     return;
   }
-  switch (M) {
-    case 1: linear_few_rows<1, 4, 2>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
-    case 2: linear_few_rows<2, 4, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
-    case 3: linear_few_rows<3, 4, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
-    case 4: linear_few_rows<4, 3, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
-    case 5: linear_few_rows<5, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
-    case 6: linear_few_rows<6, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
-    default: linear_few_rows<7, 2, 1>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+  switch (M) {  // one row prefetches nothing: one instance
+    case 1: linear_few_rows<1, 4, 2, 0>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 2: linear_few_rows<2, 4, 1, Loc>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 3: linear_few_rows<3, 4, 1, Loc>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 4: linear_few_rows<4, 3, 1, Loc>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 5: linear_few_rows<5, 2, 1, Loc>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    case 6: linear_few_rows<6, 2, 1, Loc>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
+    default: linear_few_rows<7, 2, 1, Loc>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
   }
   if (K % kLanes) add_tail_columns(x, ldx, M, w, ldw, K, y, N, lo, hi);
 }
@@ -367,20 +385,26 @@ int64_t chunk_rows(int64_t N, int64_t K, int64_t tile) {
   return std::max<int64_t>(1, rows / tile) * tile;
 }
 
-// How far ahead the 2-7-row loop (part 1) asks for the weight: tuned in the calls themselves.
-// The best distance differs from CPU to CPU (with prefetcht2, a Zen 4 did best at 8 KB, a
-// Zen 2 at 1 KB) and, on the Zen 2 with prefetchnta, from row count to row count: in its decode
-// step 64-96 floats ahead at 2 rows, 128 at 3, 256-384 at 4 to 7. A pass over one large weight,
-// the measurement used before, picked other distances than the step (0 at 2 rows, 96-128 at 4),
-// so now the step measures. While a row count is tuning, call n of each weight takes candidate
-// n % kCandidates, and the weight keeps its fastest call at each candidate. A decode step calls
-// each weight once, so one whole step runs at one distance, the next step at the next. When a
-// weight starts a new round with R whole rounds behind it, and R times the bytes of the weights
-// with two rounds or more is kTuneBytes or more, the candidate whose fastest calls add up to the
-// least time over those weights is kept for good. Fastest, not total: the first step after a
-// prefill runs slower, whatever its distance, and in totals the candidate it fell to came out
-// 1.3x-1.5x the best at every row count, whichever distance that was.
-constexpr int64_t kAheads[] = {64, 96, 128, 192, 256, 384, 768, 2048};  // floats
+// How the 2-7-row loop (part 1) asks for the weight ahead, hint and distance: tuned in the
+// calls themselves. The best of them differ from CPU to CPU and from row count to row count: in
+// a Zen 2's decode step prefetchnta 64-96 floats ahead at 2 rows, 128 at 3, 256-384 at 4 to 7;
+// in a Zen 4's prefetcht2, 256 to 2048 floats ahead (its prefetchnta took 1.1x the time). A
+// pass over one large weight, the measurement used before, picked other distances than the step
+// (0 at 2 rows, 96-128 at 4 on the Zen 2), so now the step measures. While a row count is
+// tuning, call n of each weight takes candidate n % kCandidates, and the weight keeps its
+// fastest call at each candidate. A decode step calls each weight once, so one whole step runs
+// with one candidate, the next step with the next. When a weight starts a new round with R
+// whole rounds behind it, and R times the bytes of the weights with two rounds or more is
+// kTuneBytes or more, the candidate whose fastest calls add up to the least time over those
+// weights is kept for good. Fastest, not total: the first step after a prefill runs slower,
+// whatever its candidate, and in totals the candidate it fell to came out 1.3x-1.5x the best
+// at every row count, whichever that was.
+struct Prefetch {
+  int locality;    // __builtin_prefetch's: 0 non-temporal (prefetchnta), 1 into L2 (prefetcht2)
+  int64_t floats;  // how far ahead; -1: still tuning
+};
+constexpr Prefetch kAheads[] = {{0, 64}, {0, 128}, {0, 256}, {0, 384},
+                                {1, 256}, {1, 512}, {1, 1024}, {1, 2048}};
 constexpr int kCandidates = std::size(kAheads);
 constexpr double kTuneBytes = double(768 << 20);  // SmolLM2-135M (538 MB): two rounds, 16 steps
 
@@ -390,7 +414,7 @@ struct Tuning {
     double bytes = 0, fastest[kCandidates];  // seconds: its fastest call at each distance
     Weight() { std::fill_n(fastest, kCandidates, INFINITY); }
   };
-  int64_t chosen = -1;  // floats; -1: still tuning
+  Prefetch chosen{0, -1};  // floats -1: still tuning
   std::unordered_map<const float*, Weight> weights;  // each weight called while tuning
 
   // Over the weights with two whole rounds or more: each candidate's fastest calls, added up
@@ -408,11 +432,11 @@ struct Tuning {
 };
 Tuning g_tuning[8];  // by rows of x: 2 to 7
 
-// This call's distance, and the candidate it times (-1: none). More than 7 rows go through
-// part 1 four at a time: they take the 4-row distance, and time nothing.
-std::pair<int64_t, int> pick_ahead(int64_t rows, const float* w) {
+// This call's hint and distance, and the candidate it times (-1: none). More than 7 rows go
+// through part 1 four at a time: they take the 4-row choice, and time nothing.
+std::pair<Prefetch, int> pick_ahead(int64_t rows, const float* w) {
   Tuning& t = g_tuning[rows > 7 ? 4 : rows];
-  if (t.chosen >= 0) return {t.chosen, -1};
+  if (t.chosen.floats >= 0) return {t.chosen, -1};
   if (rows > 7) return {kAheads[kCandidates / 2], -1};
   if (t.weights.size() > 4096) t.weights.clear();  // a process that loads model after model
   Tuning::Weight& tw = t.weights[w];
@@ -450,32 +474,45 @@ int64_t set_read_ahead(int64_t bytes) {
   return std::exchange(g_read_ahead, bytes);
 }
 
-// How far ahead the 2-7-row loop prefetches at `rows` rows of x, in floats (-1: still tuning);
-// a distance fixed in its place (-1: tune again, from empty accounts), returning the old; and
-// the tuning's accounts: (floats, seconds, bytes) per candidate, over the weights with two
-// whole rounds (part 5), and kTuneBytes. For tests and benchmarks: the results never change,
+// How far ahead the 2-7-row loop prefetches at `rows` rows of x, in floats (-1: still tuning),
+// and with which hint (its locality); a hint and distance fixed in their place (floats -1: tune
+// again, from empty accounts), returning the old distance; and the tuning's accounts:
+// (locality, floats, seconds, bytes) per candidate, over the weights with two whole rounds
+// (part 5), kTuneBytes, and the hint and distance the loop last ran with (part 1's
+// g_ran_*: that the choice is what runs). For tests and benchmarks: the results never change,
 // only their speed.
 Tuning& tuning_for(int64_t rows) {
   TORCH_CHECK(rows >= 2 && rows <= 7, "the prefetch distance is tuned for 2 to 7 rows of x "
               "(1 row prefetches nothing; more go 4 at a time), got ", rows);
   return g_tuning[rows];
 }
-int64_t prefetch_ahead(int64_t rows) { return tuning_for(rows).chosen; }
-int64_t set_prefetch_ahead(int64_t rows, int64_t floats) {
+int64_t prefetch_ahead(int64_t rows) { return tuning_for(rows).chosen.floats; }
+int64_t prefetch_locality(int64_t rows) {
+  const Prefetch p = tuning_for(rows).chosen;
+  return p.floats < 0 ? -1 : p.locality;
+}
+int64_t set_prefetch_ahead(int64_t rows, int64_t floats, int64_t locality) {
   TORCH_CHECK(floats >= -1, "prefetch distance must be >= 0 floats (or -1: tune again), got ",
               floats);
+  TORCH_CHECK(locality == 0 || locality == 1, "prefetch locality must be 0 (non-temporal, "
+              "prefetchnta) or 1 (into L2, prefetcht2), the two hints the loop is built with; "
+              "got ", locality);
   Tuning& t = tuning_for(rows);
-  const int64_t old = t.chosen;
+  const int64_t old = t.chosen.floats;
   if (floats < 0) t = Tuning{};
-  t.chosen = floats;
+  else t.chosen = {int(locality), floats};
   return old;
 }
 int64_t prefetch_tune_bytes() { return int64_t(kTuneBytes); }  // R rounds x bytes to decide
-std::vector<std::tuple<int64_t, double, double>> prefetch_tuning(int64_t rows) {
+std::pair<int64_t, int64_t> last_prefetch() {  // what the 2-7-row loop last ran with
+  return {g_ran_locality.load(), g_ran_ahead.load()};
+}
+std::vector<std::tuple<int64_t, int64_t, double, double>> prefetch_tuning(int64_t rows) {
   double sec[kCandidates];
   const double bytes = tuning_for(rows).accounts(sec);
-  std::vector<std::tuple<int64_t, double, double>> out;
-  for (int i = 0; i < kCandidates; ++i) out.emplace_back(kAheads[i], sec[i], bytes);
+  std::vector<std::tuple<int64_t, int64_t, double, double>> out;
+  for (int i = 0; i < kCandidates; ++i)
+    out.emplace_back(kAheads[i].locality, kAheads[i].floats, sec[i], bytes);
   return out;
 }
 
@@ -522,12 +559,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     }, ahead);
     return y;
   }
-  const std::pair<int64_t, int> pick = M >= 2 ? pick_ahead(M, wp) : std::pair<int64_t, int>{0, -1};
-  const int64_t floats = pick.first;
+  const std::pair<Prefetch, int> pick =
+      M >= 2 ? pick_ahead(M, wp) : std::pair<Prefetch, int>{{0, 0}, -1};
+  const Prefetch pf = pick.first;
   const int candidate = pick.second;
   const auto run = [&] {
     workers().run(N, chunk_rows(N, K, 1), [&](int64_t lo, int64_t hi) {
-      linear_rows(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi, floats);
+      if (pf.locality == 1) linear_rows<1>(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi, pf.floats);
+      else linear_rows<0>(xp, ldx, M, wp, ldw, K, bp, yp, N, lo, hi, pf.floats);
     }, ahead);
   };
   if (candidate < 0) {  // tuned, or a loop without the distance: no clock on the way
