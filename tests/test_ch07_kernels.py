@@ -1973,7 +1973,12 @@ def test_the_streams_benchmark_reads_every_line_once(monkeypatch):
     if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
         pytest.skip("needs a C compiler")
     table = bs.run(1, 2, 16 << 20, (4 << 20, 64 << 10, 8 << 10))
-    assert "| 64 KB |" in table and table.count("(1.00x)") == 3, table
+    rows = [r.split("|")[1:-1] for r in table.splitlines()
+            if r.startswith("| ") and r.split("|")[1].strip().endswith(("KB", "MB"))]
+    # one row per block, each ratio against the 1-stream cell of its row (another cell may
+    # round to 1.00x too: 4 streams read as fast as one in a run on a Zen 4)
+    assert [r[0].strip() for r in rows] == ["4 MB", "64 KB", "8 KB"], table
+    assert all(r[1].strip().endswith("(1.00x)") and len(r) == 5 for r in rows), table
     monkeypatch.setattr(bs, "C_SOURCE", bs.C_SOURCE.replace("b0 + s * run + off", "b0 + off"))
     with pytest.raises(SystemExit, match="must read every line once"):
         bs.run(1, 2, 16 << 20, (64 << 10,))

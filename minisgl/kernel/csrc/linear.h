@@ -98,9 +98,10 @@ template <int Loc>
 void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
                  int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi,
                  int64_t ahead) {
-  if (M >= 2 && M <= 7) {
-    g_ran_locality.store(Loc, std::memory_order_relaxed);
-    g_ran_ahead.store(ahead, std::memory_order_relaxed);
+  if (M >= 2 && M <= 7 && (g_ran_locality.load(std::memory_order_relaxed) != Loc ||
+                           g_ran_ahead.load(std::memory_order_relaxed) != ahead)) {
+    g_ran_locality.store(Loc, std::memory_order_relaxed);  // only on a change: once tuned, the
+    g_ran_ahead.store(ahead, std::memory_order_relaxed);   // threads only read this line
   }
   if (M > 7) {  // more rows than part 2 takes (over 4 vectors): 4 rows of x at a time
     for (int64_t m = 0; m < M; m += 4)
