@@ -87,11 +87,8 @@ __attribute__((noinline)) void add_tail_columns(const float* x, int64_t ldx, int
 }
 
 // Output features [lo, hi) for 1 to 7 rows of x (8 and more: part 2), prefetching `ahead`
-// floats ahead with hint Loc from 2 rows on. Streams and sums per
-// stream, measured on a Zen 2 in the decode step: 4 streams of 2 sums at one row (2 streams:
-// 1.15x its time, 8 streams alike), 4 of 1 sum at two and three rows (at three rows 3 streams
-// took 1.03x-1.04x the time, and 2 streams 1.08x the time of 3), 3 at four rows (4 streams would
-// be 16 sums, some on the stack: 1.06x), 2 from five rows on.
+// floats ahead with hint Loc from 2 rows on. Streams x sums, as measured in the decode step
+// (the chapter's table): 4 x 2 at one row, 4 x 1 at two and three, 3 x 1 at four, then 2 x 1.
 std::atomic<int64_t> g_ran_locality{-1}, g_ran_ahead{-1};  // for tests: the last prefetch run
 
 template <int Loc>
