@@ -75,8 +75,7 @@ def kernel_line() -> str:
     if module is None:
         return f"C++ kernels unavailable ({kernel.unavailable_reason()})"
     hints = {0: "prefetchnta", 1: "prefetcht2"}
-    tuned = [(r, module.prefetch_ahead(r), getattr(module, "prefetch_locality", lambda r: 0)(r))
-             for r in range(2, 8)]
+    tuned = [(r, module.prefetch_ahead(r), module.prefetch_locality(r)) for r in range(2, 8)]
     tuned = ", ".join(f"{r} rows {hints.get(h, h)} {a * 4} B" for r, a, h in tuned
                       if a >= 0) or "none tuned yet"
     return (f"kernels built for {module.vector_isa()} ({module.vector_lanes()} floats per "
@@ -286,10 +285,11 @@ class MinisglRunner:
         return run_step(self.engine, reqs, phase)
 
     def tune_prefetch(self, batch_size: int, limit: int = 64) -> None:
-        """Decode steps until the kernels' 2-7-row loop has chosen its prefetch distance for
-        ``batch_size`` rows (``linear.h`` part 5 tunes it in the first steps of each row
-        count: 8 distances, two rounds of them for SmolLM2-135M), at most ``limit`` steps; none
-        where this Engine does not run that loop. Timed steps then all run at one distance."""
+        """Decode steps until the kernels' 2-7-row loop has chosen its prefetch (hint and
+        distance) for ``batch_size`` rows (``linear.h`` part 5 tunes it in the first steps of
+        each row count: 8 candidates, two rounds of them for SmolLM2-135M), at most ``limit``
+        steps; none where this Engine does not run that loop. Timed steps then all run with one
+        choice."""
         from minisgl import kernel
 
         mod = kernel._MODULE
@@ -304,13 +304,13 @@ class MinisglRunner:
             self.step(reqs, "decode")
             if mod.prefetch_ahead(batch_size) >= 0:
                 return
-        raise RuntimeError(f"the kernels' prefetch distance for {batch_size} rows was still "
+        raise RuntimeError(f"the kernels' prefetch for {batch_size} rows was still "
                            f"tuning after {limit} decode steps: does a step call `linear` "
                            f"with {batch_size} rows for every weight?")
 
     def decode_times(self, batch_size: int, steps: int = 32, warmup: int = 4) -> list[float]:
         """Per-step seconds of ``steps`` decode steps of ``batch_size`` requests (after the
-        kernels' prefetch distance for this batch size is tuned: ``tune_prefetch``)."""
+        kernels' prefetch for this batch size is tuned: ``tune_prefetch``)."""
         self.tune_prefetch(batch_size)
         reqs = self.make_reqs(batch_prompts(batch_size), steps + warmup + 1)
         self.step(reqs, "prefill")

@@ -409,7 +409,7 @@ constexpr double kTuneBytes = double(768 << 20);  // SmolLM2-135M (538 MB): two 
 struct Tuning {
   struct Weight {
     uint64_t calls = 0;
-    double bytes = 0, fastest[kCandidates];  // seconds: its fastest call at each distance
+    double bytes = 0, fastest[kCandidates];  // seconds: its fastest call with each candidate
     Weight() { std::fill_n(fastest, kCandidates, INFINITY); }
   };
   Prefetch chosen{0, -1};  // floats -1: still tuning
