@@ -602,6 +602,64 @@ def test_reading_ahead_freed_memory_is_harmless(kmod):
         f"exit status {out.returncode}: {out.stderr[-3000:]}")
 
 
+STOPPED_READER = r"""
+import time, torch
+from minisgl import kernel
+mod = kernel.load()
+def mapped(addr):
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+        if lo <= addr < hi:
+            return True
+    return False
+def free_one():
+    buf = mod.weight_buffer(4 << 20)
+    buf.view(torch.float32).fill_(1.0)
+    addr = buf.data_ptr()
+    t0 = time.monotonic()
+    del buf
+    return time.monotonic() - t0, mapped(addr)
+print("limit was", mod.set_free_wait(0.3))
+assert mod.count_readers(1) == 1  # as if a worker had stopped in the middle of reading ahead
+print("stopped reader: waited %.3f s, still mapped %s" % free_one(), flush=True)
+assert mod.count_readers(-1) == 0  # it is gone
+print("no reader: waited %.3f s, still mapped %s" % free_one(), flush=True)
+"""
+
+
+def test_a_free_waits_for_a_stopped_reader_only_so_long_and_keeps_its_memory(kmod):
+    """A weight buffer's free waits until no worker reads ahead in it (``before_free``). A
+    worker leaves within 16 lines once it runs, but one the OS keeps stopped could make that
+    wait last: after ``set_free_wait`` seconds (5 by default) the free gives up waiting, keeps
+    the memory mapped (so the stopped reader's next load cannot fault) and says so on stderr.
+    Here a reader is counted that never leaves (``count_readers``): the free must return after
+    the limit, not hang, leave the pages mapped and name what happened; with no reader, the
+    free unmaps at once."""
+    import re
+
+    if not pathlib.Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps to see what is mapped")
+    out = run_script(STOPPED_READER, timeout=60)
+    assert out.returncode == 0, f"exit status {out.returncode}: {out.stderr[-3000:]}"
+    assert "limit was 5.0" in out.stdout, f"the default limit should be 5 s: {out.stdout}"
+    m = re.search(r"stopped reader: waited ([0-9.]+) s, still mapped (\w+)", out.stdout)
+    assert m, out.stdout
+    assert 0.3 <= float(m.group(1)) < 3, (
+        f"with a reader that never leaves, the free waited {m.group(1)} s: it must wait the "
+        "limit (0.3 s here, set_free_wait) and then return")
+    assert m.group(2) == "True", ("the free gave up waiting and unmapped the buffer anyway: a "
+                                  "reader still in it would then crash the process")
+    assert "stays mapped" in out.stderr and "0.3 s" in out.stderr, (
+        f"giving up must say so on stderr, with the limit: {out.stderr[-1000:]!r}")
+    m = re.search(r"no reader: waited ([0-9.]+) s, still mapped (\w+)", out.stdout)
+    assert m and float(m.group(1)) < 0.3 and m.group(2) == "False", (
+        f"with no reader the free must unmap at once: {out.stdout}")
+    with pytest.raises(RuntimeError, match="0 to 3600 seconds"):
+        kmod.set_free_wait(-1.0)
+    with pytest.raises(RuntimeError, match="fewer than 0 readers"):
+        kmod.count_readers(-1)
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_the_caller_takes_chunks_from_the_back_and_the_workers_from_the_front(kmod, threads):
     """``Workers::run`` (csrc/common.h): the workers take a call's chunks from the front, the

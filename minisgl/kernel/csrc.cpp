@@ -31,6 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_read_ahead", &set_read_ahead, "bytes read ahead after a call (0: none); the old");
   m.def("weight_buffer", &weight_buffer, "nbytes of zeroed memory on a 2 MB boundary, in 2 MB "
         "pages where the OS has them: the only memory the workers read ahead");
+  m.def("set_free_wait", &set_free_wait, "seconds a weight buffer's free waits for a worker "
+        "reading ahead in it (then it stays mapped); the old limit");
+  m.def("count_readers", &count_readers, "for tests: add delta to the workers counted as "
+        "reading ahead; the new count");
   m.def("split_order", &split_order, "[chunks the caller took, chunks the workers took] of a "
         "split of n items, each chunk waiting us microseconds first");
   m.def("prefetch_ahead", &prefetch_ahead, "floats the 2-7-row loop prefetches ahead at this "

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -219,9 +220,25 @@ struct ReadAhead {
 std::atomic<uint64_t> g_frees{0};  // buffers the workers may read that were freed so far
 std::atomic<int> g_reading{0};     // workers reading ahead right now
 
-void before_free() {  // called before memory the workers may read is unmapped
-  ++g_frees;  // a reader sees this within 16 lines; one the OS paused, once it runs again
-  for (int i = 0; g_reading.load() > 0; ++i) i < 4096 ? cpu_relax() : std::this_thread::yield();
+// Called before memory the workers may read is unmapped. A reader sees the new count within 16
+// lines once it runs, so the wait is microseconds; only a worker the OS keeps stopped (a machine
+// overloaded for seconds, a debugger) could hold it longer. That wait has a limit, g_free_wait
+// seconds: then before_free returns false, and the caller keeps the memory mapped rather than
+// wait on (a late read of it stays harmless) and says so.
+double g_free_wait = 5.0;
+bool before_free() {
+  ++g_frees;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; g_reading.load() > 0; ++i) {
+    if (i < 4096) {
+      cpu_relax();
+      continue;
+    }
+    std::this_thread::yield();
+    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - t0;
+    if (i % 256 == 0 && waited.count() > g_free_wait) return false;
+  }
+  return true;
 }
 
 struct Job {  // one call, on the caller's stack; the workers reach it through Workers::job_

@@ -344,7 +344,8 @@ ReadAhead plan_read_ahead(const float* w) {
 // The Engine's weights, in one buffer of nbytes (weights.py copies them in): mapped here,
 // starting on a 2 MB boundary, with 2 MB pages asked for, and listed as memory the workers may
 // read. The last tensor that views it frees it: off the list first, then before_free() waits
-// for any worker still reading it, and only then is it unmapped.
+// for any worker still reading it, and only then is it unmapped (or, after its time limit, it
+// stays mapped, with a message).
 torch::Tensor weight_buffer(int64_t nbytes) {
   TORCH_CHECK(nbytes >= 0, "weight_buffer needs 0 or more bytes, got ", nbytes);
   const size_t page = 2 << 20, len = size_t(nbytes) + page;
@@ -368,7 +369,14 @@ torch::Tensor weight_buffer(int64_t nbytes) {
                                    [lo](const auto& b) { return b.first == lo; });
       if (it != g_buffers.end()) g_buffers.erase(it);
     }
-    before_free();
+    if (!before_free()) {  // a reader stopped for seconds: its next load must not fault
+      std::fprintf(stderr, "minisgl.kernel: a weight buffer (%zu MB) was freed while a kernel "
+                   "thread was reading ahead in it, and that thread has not moved for %g s (is "
+                   "the machine overloaded, or a debugger stopping it?). The buffer stays mapped "
+                   "so that the read cannot crash the process; its memory comes back when the "
+                   "process exits.\n", len >> 20, g_free_wait);
+      return;
+    }
     munmap(base, len);
   };
   return torch::from_blob(lo, {nbytes}, unmap, torch::TensorOptions().dtype(torch::kUInt8));
@@ -474,6 +482,19 @@ std::vector<std::pair<int64_t, int64_t>> read_ahead_plan(torch::Tensor w) {
 int64_t set_read_ahead(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "read-ahead budget must be >= 0 bytes, got ", bytes);
   return std::exchange(g_read_ahead, bytes);
+}
+// For tests: how long a free waits for a reader (seconds), returning the old limit; and
+// `delta` readers counted as if workers were reading ahead (one the OS stopped), returning the
+// count. The kernels' results never change; only whether a free waits.
+double set_free_wait(double seconds) {
+  TORCH_CHECK(seconds >= 0 && seconds <= 3600, "the free's wait must be 0 to 3600 seconds, got ",
+              seconds);
+  return std::exchange(g_free_wait, seconds);
+}
+int64_t count_readers(int64_t delta) {
+  TORCH_CHECK(g_reading.load() + delta >= 0, "count_readers(", delta, ") would leave fewer than "
+              "0 readers (", g_reading.load(), " now)");
+  return g_reading += int(delta);
 }
 
 // How far ahead the 2-7-row loop prefetches at `rows` rows of x, in floats (-1: still tuning),
