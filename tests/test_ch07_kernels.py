@@ -649,15 +649,22 @@ def test_a_free_waits_for_a_stopped_reader_only_so_long_and_keeps_its_memory(kmo
         "limit (0.3 s here, set_free_wait) and then return")
     assert m.group(2) == "True", ("the free gave up waiting and unmapped the buffer anyway: a "
                                   "reader still in it would then crash the process")
-    assert "stays mapped" in out.stderr and "0.3 s" in out.stderr, (
-        f"giving up must say so on stderr, with the limit: {out.stderr[-1000:]!r}")
+    assert "stays mapped" in out.stderr and "0.3 s" in out.stderr and "(4 MB)" in out.stderr, (
+        f"giving up must say so on stderr, with the limit and the buffer's size (4 MB): "
+        f"{out.stderr[-1000:]!r}")
     m = re.search(r"no reader: waited ([0-9.]+) s, still mapped (\w+)", out.stdout)
     assert m and float(m.group(1)) < 0.3 and m.group(2) == "False", (
         f"with no reader the free must unmap at once: {out.stdout}")
-    with pytest.raises(RuntimeError, match="0 to 3600 seconds"):
-        kmod.set_free_wait(-1.0)
+    old = kmod.set_free_wait(0.0)  # both ends of 0 to 3600 s are allowed
+    assert kmod.set_free_wait(3600.0) == 0.0 and kmod.set_free_wait(old) == 3600.0
+    for bad in (-1.0, 3600.5):
+        with pytest.raises(RuntimeError, match="0 to 3600 seconds"):
+            kmod.set_free_wait(bad)
+    assert kmod.set_free_wait(old) == old, "a refused limit must leave the old one"
+    assert kmod.count_readers(0) == 0
     with pytest.raises(RuntimeError, match="fewer than 0 readers"):
         kmod.count_readers(-1)
+    assert kmod.count_readers(0) == 0, "a refused count_readers must leave the count as it was"
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -1947,6 +1954,32 @@ def test_without_a_compiler_a_kernel_engine_says_why_and_runs_the_learner_code(k
     assert "backend cpp tokens" in with_kernels.stdout
     assert out.stdout.split("tokens")[1] == with_kernels.stdout.split("tokens")[1], (
         out.stdout, with_kernels.stdout)
+
+
+@pytest.mark.slow
+def test_a_compile_error_is_named_with_its_file_and_line(tmp_path):
+    """A learner's typo in chapter 07's C++ must come back as the compiler's own first error
+    (file, line, what), not as ninja's last line ("build stopped: subcommand failed") with
+    advice to install a compiler that is there. A copy of the package with one bad line
+    appended to a header: load() returns None and says, once, where the error is."""
+    import shutil
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(PACKAGE_TREE / "minisgl", pkg / "minisgl",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    header = pkg / "minisgl" / "kernel" / "csrc" / "small_ops.h"
+    header.write_text(header.read_text() + "\nint this_is_not_cpp = ;\n")
+    code = ("from minisgl import kernel\n"
+            "print('module', kernel.load(), 'reason', kernel.unavailable_reason())\n")
+    env = {**os.environ, "PYTHONPATH": str(pkg), "MINISGL_KERNEL_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=pkg, env=env, text=True,  # not ROOT:
+                         capture_output=True, timeout=600, check=False)  # its minisgl comes first
+    assert out.returncode == 0 and "module None" in out.stdout, (out.stdout, out.stderr[-3000:])
+    said = [ln for ln in out.stderr.splitlines() if "could not be built" in ln]
+    assert len(said) == 1, out.stderr[-3000:]
+    assert "small_ops.h:" in said[0] and "error:" in said[0], (
+        f"the message must name the compiler's first error, with its file and line: {said[0]}")
+    assert "Fix the C++" in said[0] and "need a C++ compiler" not in said[0], said[0]
 
 
 def test_cpu_kernels_is_validated():

@@ -25,6 +25,7 @@ default Engine never imports this package, so it runs exactly the chapters' code
 
 from __future__ import annotations
 
+import re
 import sys
 from types import ModuleType
 
@@ -74,8 +75,16 @@ def load() -> ModuleType | None:
             advice = ""  # the message says what to do; a compiler is not the problem
             break
         except Exception as e:  # no compiler, no ninja, a compile error
-            last = (str(e).strip().splitlines() or [""])[-1]
-            errors.append(f"{type(e).__name__}: {last[:200]}")
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            # file:line:col: error: ... is the compiler rejecting the C++ (a rejected flag
+            # reads "g++: error: ...", and the next flags may pass)
+            first = next((ln for ln in lines if re.search(r":\d+:\d+: (fatal )?error:", ln)), None)
+            if first is not None:
+                errors.append(f"a compile error, the first: {first[:300]}")
+                advice = (" Fix the C++ under minisgl/kernel/ (chapter 07's %%writefile cells "
+                          "write it), then run again.")
+                break  # other flags would fail the same way
+            errors.append(f"{type(e).__name__}: {(lines or [''])[-1][:200]}")
             advice = (" The kernels need a C++ compiler (g++ or clang) and ninja "
                       "(`pip install ninja`).")
     _FAILED = errors[-1]

@@ -163,11 +163,15 @@ void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t p
 // Never inlined: a test finds each instance in the compiled library and reads its inner loop
 // (tests/test_ch07_kernels.py: the sums stay in registers with 4, 8 and 16-float vectors).
 constexpr int kStaged = 2;  // tiles (1 to 4 measured alike on AVX2, 8 no better than none)
+// The threads' chunks are kChunkTiles weight rows or a multiple: a whole number of every tile
+// (3 of 8, 4 of 6, 6 of 4, 8 of 3), so that only the call's last tile can be short.
+constexpr int64_t kChunkTiles = 24;
 
 template <int L, int MV, int TR>
 __attribute__((noinline)) void linear_rows_t(const float* xt, int64_t M, const float* w,
                                              int64_t ldw, int64_t K, const float* bias, float* y,
                                              int64_t N, int64_t lo, int64_t hi) {
+  static_assert(kChunkTiles % TR == 0, "a chunk must hold whole tiles: change kChunkTiles");
   alignas(64) float yt[kStaged * TR * MV * L];  // row r: output g0 + r, one lane per row of x
   for (int64_t g0 = lo; g0 < hi; g0 += kStaged * TR) {
     const int64_t g1 = std::min<int64_t>(hi, g0 + kStaged * TR);
@@ -362,7 +366,7 @@ torch::Tensor weight_buffer(int64_t nbytes) {
     std::lock_guard<std::mutex> lock(g_buffers_mu);
     g_buffers.emplace_back(lo, lo + nbytes);
   }
-  auto unmap = [base, len, lo](void*) {
+  auto unmap = [base, len, lo, nbytes](void*) {
     {
       std::lock_guard<std::mutex> lock(g_buffers_mu);
       const auto it = std::find_if(g_buffers.begin(), g_buffers.end(),
@@ -374,7 +378,7 @@ torch::Tensor weight_buffer(int64_t nbytes) {
                    "thread was reading ahead in it, and that thread has not moved for %g s (is "
                    "the machine overloaded, or a debugger stopping it?). The buffer stays mapped "
                    "so that the read cannot crash the process; its memory comes back when the "
-                   "process exits.\n", len >> 20, g_free_wait);
+                   "process exits.\n", size_t(nbytes) >> 20, g_free_wait);
       return;
     }
     munmap(base, len);
@@ -576,8 +580,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     const int64_t lanes = lanes_for_rows(M);
     const int mv = (int)((M + lanes - 1) / lanes);
     const uint64_t call = ++g_linear_calls;
-    // chunks of whole tiles: 24 weight rows are 3 tiles of 8, 4 of 6, 6 of 4 or 8 of 3
-    workers().run(N, chunk_rows(N, K, 24), [&](int64_t lo, int64_t hi) {
+    workers().run(N, chunk_rows(N, K, kChunkTiles), [&](int64_t lo, int64_t hi) {
       const float* xt = thread_xt(call, xp, ldx, M, K, mv * lanes);
       linear_rows_many(xt, lanes, mv, M, wp, ldw, K, bp, yp, N, lo, hi);
     }, ahead);
