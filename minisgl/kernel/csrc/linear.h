@@ -163,15 +163,15 @@ void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t p
 // Never inlined: a test finds each instance in the compiled library and reads its inner loop
 // (tests/test_ch07_kernels.py: the sums stay in registers with 4, 8 and 16-float vectors).
 constexpr int kStaged = 2;  // tiles (1 to 4 measured alike on AVX2, 8 no better than none)
-// The threads' chunks are kChunkTiles weight rows or a multiple: a whole number of every tile
-// (3 of 8, 4 of 6, 6 of 4, 8 of 3), so that only the call's last tile can be short.
-constexpr int64_t kChunkTiles = 24;
+// The threads' chunks are a multiple of kChunkRowStep weight rows: a whole number of every
+// tile (3 of 8, 4 of 6, 6 of 4, 8 of 3), so that only the call's last tile can be short.
+constexpr int64_t kChunkRowStep = 24;
 
 template <int L, int MV, int TR>
 __attribute__((noinline)) void linear_rows_t(const float* xt, int64_t M, const float* w,
                                              int64_t ldw, int64_t K, const float* bias, float* y,
                                              int64_t N, int64_t lo, int64_t hi) {
-  static_assert(kChunkTiles % TR == 0, "a chunk must hold whole tiles: change kChunkTiles");
+  static_assert(kChunkRowStep % TR == 0, "a chunk must hold whole tiles: change kChunkRowStep");
   alignas(64) float yt[kStaged * TR * MV * L];  // row r: output g0 + r, one lane per row of x
   for (int64_t g0 = lo; g0 < hi; g0 += kStaged * TR) {
     const int64_t g1 = std::min<int64_t>(hi, g0 + kStaged * TR);
@@ -197,8 +197,8 @@ int64_t lanes_for_rows(int64_t M) { return kLanes == 16 && M <= 8 ? 8 : kLanes; 
 // tile (12 of AVX2's 16 vector registers; the others hold x and a broadcast), except with one
 // vector a column: 8 weight rows, 8 sums. Each weight row needs its pointer in a general
 // register, and 12 of them with the loop's own counters are more than x86-64's 16: GCC kept
-// some in vector registers and moved them back in the loop (the 16-row loop at 0.83x its FMA
-// rate in L2 on a Zen 4; 8 rows there at 0.95x).
+// some in vector registers and moved them back in the loop (with the weight in L2 on a Zen 4,
+// 16 rows of x took 1.21x the time of 8 weight rows a tile; 8 rows of x, 1.05x).
 void linear_rows_many(const float* xt, int64_t lanes, int mv, int64_t M, const float* w,
                       int64_t ldw, int64_t K, const float* bias, float* y, int64_t N,
                       int64_t lo, int64_t hi) {
@@ -580,7 +580,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     const int64_t lanes = lanes_for_rows(M);
     const int mv = (int)((M + lanes - 1) / lanes);
     const uint64_t call = ++g_linear_calls;
-    workers().run(N, chunk_rows(N, K, kChunkTiles), [&](int64_t lo, int64_t hi) {
+    workers().run(N, chunk_rows(N, K, kChunkRowStep), [&](int64_t lo, int64_t hi) {
       const float* xt = thread_xt(call, xp, ldx, M, K, mv * lanes);
       linear_rows_many(xt, lanes, mv, M, wp, ldw, K, bp, yp, N, lo, hi);
     }, ahead);
