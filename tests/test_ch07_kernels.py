@@ -986,7 +986,7 @@ def test_small_batch_linear_hands_a_prefill_to_mkl(kmod, monkeypatch):
 @pytest.mark.parametrize("flags,lanes", [(["-O3"], 4), (["-O3", "-mavx2", "-mfma"], 8)],
                          ids=["4-lanes", "8-lanes"])
 def test_linear_with_narrower_vectors(kmod, flags, lanes):
-    """``linear``'s vector follows the compiler's target: 16 floats with AVX-512, 8 with AVX2,
+    """``linear``'s (and decode attention's) vector follows the compiler's target: 16 floats with AVX-512, 8 with AVX2,
     4 otherwise (SSE, an ARM laptop's NEON). Build the narrower ones here and check them too."""
     import platform
 
@@ -1005,6 +1005,7 @@ def test_linear_with_narrower_vectors(kmod, flags, lanes):
         err = (mod.linear(x, w, b).double() - want).abs().max().item()
         assert err < 1e-4 * (1 + want.abs().max().item()), (
             f"{lanes}-lane linear({m}x{k} @ {n}x{k}) is {err:.2e} off float64")
+    check_decode_attention(mod)
 
 
 def functions(disassembly: str, function: str) -> dict[str, list[tuple[int, str]]]:
@@ -1644,6 +1645,51 @@ def test_the_wrappers_equal_torch_on_every_input_they_accept(kmod, dtype, shape)
         x = torch.randn(*shape, generator=g)  # 3-D: a prefill's [B, T, K]
         torch.testing.assert_close(kernel.small_batch_linear(x, w), F.linear(x, w),
                                    atol=1e-4, rtol=1e-4)
+
+
+def attention64(q, k_cache, v_cache, slots, lens, D):
+    """Decode attention in float64, request by request: the reference for ``decode_attention``
+    (q ``[B, Hq * D]``, each request's keys at ``slots[b, :lens[b]]``)."""
+    hkv = k_cache.shape[1] // D
+    G = q.shape[1] // D // hkv
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        kb = k_cache[slots[b, :n]].double().view(n, hkv, D)
+        vb = v_cache[slots[b, :n]].double().view(n, hkv, D)
+        p = torch.softmax(torch.einsum("hgd,nhd->hgn", q[b].double().view(hkv, G, D), kb)
+                          / D ** 0.5, dim=-1)
+        out[b] = torch.einsum("hgn,nhd->hgd", p, vb).reshape(-1)
+    return out
+
+
+def check_decode_attention(mod, what=""):
+    """``decode_attention`` against float64 over a grid: head sizes that are whole vectors of
+    every build (64, 128) and not (8, 24: the key-by-key path where D % lanes != 0), GQA groups
+    of 1 to 4 query heads, 1 to 5 requests, and key counts around every multiple of the vector
+    (a block of keys' scores is one vector: its lanes must land on their own keys), in scattered
+    slots."""
+    lanes = mod.vector_lanes()
+    counts = [1, lanes - 1, lanes, lanes + 1, 2 * lanes + 3, 3 * lanes, 51]
+    g = torch.Generator().manual_seed(lanes)
+    for D in (8, 24, 64, 128):
+        for hq, hkv in [(9, 3), (4, 4), (4, 1), (6, 2)]:
+            for B in (1, 2, 5):
+                lens = [counts[(D + hq + b * 3) % len(counts)] for b in range(B)]
+                L, S = max(lens), 4 * max(lens) * B + 7
+                k_cache, v_cache = (torch.randn(S, hkv * D, generator=g) for _ in range(2))
+                slots = torch.stack([torch.randperm(S, generator=g)[:L] for _ in lens])
+                q = torch.randn(B, hq * D, generator=g)
+                got = mod.decode_attention(q, k_cache, v_cache, slots.reshape(-1),
+                                           torch.tensor(lens), L, D).double()
+                want = attention64(q, k_cache, v_cache, slots, lens, D)
+                err = (got - want).abs().max().item()
+                assert err < 1e-5 * (1 + want.abs().max().item()), (
+                    f"{what}decode_attention with {lanes}-float vectors, head_dim {D}, Hq={hq}, "
+                    f"Hkv={hkv}, keys per request {lens}: {err:.2e} off float64")
+
+
+def test_decode_attention_equals_float64_over_shapes(kmod):
+    check_decode_attention(kmod)
 
 
 def test_extreme_values_in_silu_and_attention(kmod):

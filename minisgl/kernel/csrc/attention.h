@@ -2,6 +2,70 @@
 #pragma once
 #include "common.h"
 
+namespace {
+
+// A score is a sum of D products, and a sum ends in a vector's lanes added together (hsum,
+// common.h: log2(kLanes) shuffles and adds, each waiting for the one before). For kLanes keys at
+// once, fold their kLanes vectors of partial sums instead: pairs of vectors become one, the first
+// half of each group of lanes beside the second half, added; kLanes - 1 folds in all, and lane i
+// of the last vector is key i's sum. Before a fold a vector holds groups of S lanes (at first one
+// group: a whole key), after it groups of S / 2 (a pair's groups side by side).
+constexpr int fold_lane(int S, int i) {  // x's lanes are 0 .. kLanes - 1, y's the next kLanes
+  const int half = kLanes / 2, at = i % half;
+  return (i < half ? 0 : kLanes) + at / (S / 2) * S + at % (S / 2);
+}
+template <int S, std::size_t... I>
+inline vecf fold_pair(vecf x, vecf y, std::index_sequence<I...>) {
+  return __builtin_shufflevector(x, y, fold_lane(S, I)...) +
+         __builtin_shufflevector(x, y, (fold_lane(S, I) + S / 2)...);
+}
+template <int S, std::size_t... P>
+inline void fold_level(vecf* a, std::index_sequence<P...>) {  // S vectors into S / 2
+  ((a[P] = fold_pair<S>(a[2 * P], a[2 * P + 1], std::make_index_sequence<kLanes>{})), ...);
+}
+template <int S = kLanes>
+inline vecf sums_of(vecf* a) {  // lane i: the sum of a[i]'s lanes (a is overwritten)
+  if constexpr (S == 1) {
+    return a[0];
+  } else {
+    fold_level<S>(a, std::make_index_sequence<S / 2>{});
+    return sums_of<S / 2>(a);
+  }
+}
+
+// p[g * L + j] = (q_g . k_j) * scale for the G query heads of one KV head and its n keys, the
+// key of slot sl[j] at kh + sl[j] * row. kLanes keys at a time, one vector of scores per query
+// head (with 16 lanes: 4 FMAs per key and head, then 15 folds for 16 keys, where 16 horizontal
+// sums took 64 dependent steps); fetch(j) asks for slot j's rows ahead of their use.
+template <typename Fetch>
+void score_keys(const float* qh, const float* kh, const int64_t* sl, int64_t row, int64_t n,
+                int64_t D, int64_t G, int64_t L, float scale, float* p, int64_t ahead,
+                const Fetch& fetch) {
+  for (int64_t j = 0; j < std::min(n, ahead); ++j) fetch(j);
+  int64_t j = 0;
+  for (; D % kLanes == 0 && j + kLanes <= n; j += kLanes) {
+    const float* kb[kLanes];
+    for (int i = 0; i < kLanes; ++i) {
+      if (j + i + ahead < n) fetch(j + i + ahead);
+      kb[i] = kh + sl[j + i] * row;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      vecf acc[kLanes] = {};
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const vecf qv = loadv(qh + g * D + d);
+        for (int i = 0; i < kLanes; ++i) acc[i] += qv * loadv(kb[i] + d);
+      }
+      storev(p + g * L + j, sums_of(acc) * scale);
+    }
+  }
+  for (; j < n; ++j) {  // the keys left over (all of them when D is not whole vectors)
+    if (j + ahead < n) fetch(j + ahead);
+    for (int64_t g = 0; g < G; ++g) p[g * L + j] = dot(qh + g * D, kh + sl[j] * row, D) * scale;
+  }
+}
+
+}  // namespace
+// --- part 2: decode attention ---
 // Decode attention over the paged pool, one query per request. The caller has already written
 // this step's k, v into the pool (store_kv: the pool has one writer), so request b attends to
 // slots kv_slots[b*L .. b*L + seq_lens[b]), its new token included.
@@ -57,7 +121,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       const float* qh = qp + b * qs + hk * G * D;  // the G query heads of KV head hk
       // A head's D floats of a slot are a few cache lines, one slot's row apart from the next
       // slot's, and the weights streamed since the last layer have pushed them out of every
-      // cache: ask for key and value rows kAhead slots before they are needed, so that their
+      // cache: ask for key and value rows 16 slots before they are needed, so that their
       // misses overlap instead of waiting one after another.
       const bool all_heads = whole && hk == 0;  // the whole row: Hkv * D floats
       const auto fetch = [&](int64_t j) {
@@ -67,13 +131,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
           __builtin_prefetch(vc + at + d, 0, 2);  // read after the softmax: L2 is enough
         }
       };
-      constexpr int64_t kAhead = 16;
-      for (int64_t j = 0; j < std::min(n, kAhead); ++j) fetch(j);
-      for (int64_t j = 0; j < n; ++j) {
-        if (j + kAhead < n) fetch(j + kAhead);
-        const float* kj = kc + sl[j] * row + hk * D;
-        for (int64_t g = 0; g < G; ++g) p[g * L + j] = dot(qh + g * D, kj, D) * scale;
-      }
+      score_keys(qh, kc + hk * D, sl, row, n, D, G, L, scale, p.data(), 16, fetch);
       for (int64_t g = 0; g < G; ++g) {  // softmax over the request's keys
         float* pg = p.data() + g * L;
         float m = -INFINITY, sum = 0;
@@ -116,7 +174,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   });
   return heads ? o.view({B, Hq, D}) : o;
 }
-// --- part 2: the pool's writer ---
+// --- part 3: the pool's writer ---
 
 // The pool's store_kv (chapter 04's contract): row j of k and v into slot out_loc[j] of one
 // layer's caches. The torch code pays for views, an int64 copy of out_loc and two index_copy_
