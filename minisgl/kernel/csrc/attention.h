@@ -36,7 +36,8 @@ inline vecf sums_of(vecf* a) {  // lane i: the sum of a[i]'s lanes (a is overwri
 // p[g * L + j] = (q_g . k_j) * scale for the G query heads of one KV head and its n keys, the
 // key of slot sl[j] at kh + sl[j] * row. kLanes keys at a time, one vector of scores per query
 // head (with 16 lanes: 4 FMAs per key and head, then 15 folds for 16 keys, where 16 horizontal
-// sums took 64 dependent steps); fetch(j) asks for slot j's rows ahead of their use.
+// sums took 64 shuffle-and-add steps, 4 in a row waiting for each other); fetch(j) asks for slot
+// j's rows `ahead` slots before their use.
 template <typename Fetch>
 void score_keys(const float* qh, const float* kh, const int64_t* sl, int64_t row, int64_t n,
                 int64_t D, int64_t G, int64_t L, float scale, float* p, int64_t ahead,
@@ -121,7 +122,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       const float* qh = qp + b * qs + hk * G * D;  // the G query heads of KV head hk
       // A head's D floats of a slot are a few cache lines, one slot's row apart from the next
       // slot's, and the weights streamed since the last layer have pushed them out of every
-      // cache: ask for key and value rows 16 slots before they are needed, so that their
+      // cache: ask for key and value rows kAhead slots before they are needed, so that their
       // misses overlap instead of waiting one after another.
       const bool all_heads = whole && hk == 0;  // the whole row: Hkv * D floats
       const auto fetch = [&](int64_t j) {
@@ -131,7 +132,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
           __builtin_prefetch(vc + at + d, 0, 2);  // read after the softmax: L2 is enough
         }
       };
-      score_keys(qh, kc + hk * D, sl, row, n, D, G, L, scale, p.data(), 16, fetch);
+      constexpr int64_t kAhead = 16;
+      score_keys(qh, kc + hk * D, sl, row, n, D, G, L, scale, p.data(), kAhead, fetch);
       for (int64_t g = 0; g < G; ++g) {  // softmax over the request's keys
         float* pg = p.data() + g * L;
         float m = -INFINITY, sum = 0;

@@ -115,7 +115,8 @@ inline vecf loadv(const float* p) { return load_vec<kLanes>(p); }
 inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
 // The sum of a vector's lanes, as a tree: the upper half added onto the lower until two lanes
 // are left (4 adds for 16 lanes). Added one by one, each of the 15 additions waits for the one
-// before; decode attention ends every score in such a sum, and took 1.35x as long with them.
+// before; decode attention ended every score in such a sum, and took 1.35x as long with them
+// (now it sums a vector of keys' scores at once: attention.h, part 1).
 // The halves are shuffles of v's lanes: taken with memcpy instead, GCC kept 16-float vectors
 // summed this way in memory, even running sums of a matmul loop (linear.h, part 1).
 template <int N, std::size_t... I>
