@@ -664,6 +664,8 @@ def test_a_free_waits_for_a_stopped_reader_only_so_long_and_keeps_its_memory(kmo
     assert kmod.count_readers(0) == 0
     with pytest.raises(RuntimeError, match="fewer than 0 readers"):
         kmod.count_readers(-1)
+    with pytest.raises(RuntimeError, match=r"more than 2\^20 readers"):
+        kmod.count_readers((1 << 20) + 1)
     assert kmod.count_readers(0) == 0, "a refused count_readers must leave the count as it was"
 
 

@@ -390,6 +390,9 @@ SOLUTION_FAILURES = {
                                  "cell 1: solution markers are allowed only in %%writefile"),
     "marker-not-own-line": ([wf("x = 1  # END SOLUTION")], True,
                             "cell 1 line 2: a marker must be a comment line of its own"),
+    "cell-too-long": ([wf(*[f"x{i} = {i}" for i in range(wb.MAX_CELL_LINES + 1)])], True,
+                      f"cell 1: {wb.MAX_CELL_LINES + 1} lines for minisgl/ops.py, more than the "
+                      f"{wb.MAX_CELL_LINES} a cell may write"),
 }
 
 
@@ -404,6 +407,15 @@ def test_check_reports_solution_problems(tmp_path: Path, capsys, kind: str):
         assert "solutions/01_ops.ipynb cell" in out
         assert cli(tmp_path, capsys, "build")[0] == 1
         assert not (tmp_path / "minisgl").exists() and not (tmp_path / "notebooks").exists()
+
+
+def test_a_cell_of_max_cell_lines_is_accepted(tmp_path: Path, capsys):
+    (tmp_path / "tools").mkdir()
+    cells = [wf(*[f"x{i} = {i}" for i in range(wb.MAX_CELL_LINES)])]
+    save(tmp_path / "solutions" / "01_ops.ipynb", make_nb("01", *cells, test=True))
+    assert cli(tmp_path, capsys, "build")[0] == 0
+    code, out = cli(tmp_path, capsys, "check")
+    assert code == 0, out
 
 
 def test_check_reports_module_written_by_two_notebooks(built: Path, capsys):

@@ -55,6 +55,10 @@ HEADER = re.compile(r"^\s+(\d+)\.(\d+)\s*:\s*(\S.*?)\s*$")
 # is its first cell's body (part 1) followed by parts 2, 3, ... in order; the marker lines stay in
 # the file as plain comments, so the workbook's %%writefile can replace one part in place.
 PART = re.compile(r"^(?:#|//) --- part (\d+): (\S.*?) ---[ \t]*$")  # `//` in C++ files
+# The most lines a %%writefile cell may write (its first line aside): about a screen, so that a
+# cell can be read whole, with the prose that explains it next to it. A longer module is written
+# by several cells, one part each.
+MAX_CELL_LINES = 120
 
 
 class WorkbookError(Exception):
@@ -263,6 +267,12 @@ def parse_chapter(nn: str, name: str, nb: dict) -> Chapter:
             chap.has_test_cell |= cell.get("cell_type") == "code" and bool(test_call.search(src))
             continue
         target, body, errors = parsed
+        if len(body.splitlines()) > MAX_CELL_LINES:
+            errors.append(f"{len(body.splitlines())} lines for {target}, more than the "
+                          f"{MAX_CELL_LINES} a cell may write: end the cell at a place where the "
+                          "code changes subject and write the rest with a `%%writefile -a` cell "
+                          "whose first line is a part marker (`# --- part N: title ---`, `//` in "
+                          "C++), with the prose about that rest between the two cells")
         stubbed, bodies, stub_errors = stub(body, nn, where)
         chap.problems += [f"{where}: {e}" for e in errors] + stub_errors
         for eid, text in bodies.items():

@@ -107,6 +107,7 @@ class TorchBackend(TorchGraphHooks, BaseAttnBackend):
             o_index=None if o_index is None else o_index.to(device),
             mask=None if mask is None else mask.to(device),
             last_indices=torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64, device=device))
+# --- part 2: forward, once per layer ---
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:

@@ -18,12 +18,11 @@ namespace {
 // rows: in_register (common.h) keeps them there. Left alone, GCC 12's AVX-512 build read them
 // again inside the FMAs (21 loads for 12 FMAs at 4 rows: half the speed in L2 on a Zen 4). Rows
 // of x the registers cannot hold (AVX2, 4 rows and more) are read from L1 by every stream.
-// Prefetch. With 2 rows of x or more the loop also asks for each stream's line `ahead` floats
-// further on: between two weight lines there are more instructions, and the core no longer
-// looks far enough ahead by itself. Hint Loc 0 is non-temporal (prefetchnta on x86), Loc 1 into
-// L2 (prefetcht2): in the decode step at 2 to 4 rows a Zen 2 did best with the first (0.94x the
-// time), a Zen 4 with the second (0.92x-0.96x). Which, and how far ahead, is tuned in the calls
-// themselves, per row count (part 5).
+// Prefetch. From 2 rows of x on, the loop also asks for each stream's line `ahead` floats on:
+// with more instructions between two weight lines, the core no longer looks far enough ahead.
+// Hint Loc 0 is non-temporal (prefetchnta on x86), Loc 1 into L2 (prefetcht2): at 2 to 4 rows
+// a Zen 2's step did best with the first, a Zen 4's with the second; part 5 tunes which, and
+// how far ahead, per row count, in the calls themselves.
 // Never inlined: each instance gets registers of its own, and a test reads its inner loop.
 template <int MM, int S, int U, int Loc>
 __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, const float* w,
@@ -471,7 +470,7 @@ void time_call(int64_t rows, const float* w, int c, double sec, int64_t bytes) {
 }
 
 }  // namespace
-// --- part 6: the function Python calls ---
+// --- part 6: what tests and benchmarks may look at and set ---
 
 // What the workers read ahead after a call with weight w, as (address, bytes) spans; and the
 // budget for it (0: nothing is read ahead), returning the previous one. For tests and
@@ -495,10 +494,15 @@ double set_free_wait(double seconds) {
               seconds);
   return std::exchange(g_free_wait, seconds);
 }
-int64_t count_readers(int64_t delta) {
-  TORCH_CHECK(g_reading.load() + delta >= 0, "count_readers(", delta, ") would leave fewer than "
-              "0 readers (", g_reading.load(), " now)");
-  return g_reading += int(delta);
+int64_t count_readers(int64_t delta) {  // the check and the change are one step
+  int now = g_reading.load();
+  do {
+    TORCH_CHECK(now + delta >= 0, "count_readers(", delta, ") would leave fewer than 0 readers (",
+                now, " now)");
+    TORCH_CHECK(now + delta <= (1 << 20), "count_readers(", delta, ") would count more than "
+                "2^20 readers (", now, " now)");
+  } while (!g_reading.compare_exchange_weak(now, now + int(delta)));
+  return now + delta;
 }
 
 // How far ahead the 2-7-row loop prefetches at `rows` rows of x, in floats (-1: still tuning),
@@ -545,6 +549,7 @@ std::vector<std::tuple<int64_t, int64_t, double, double>> prefetch_tuning(int64_
 
 int64_t vector_lanes() { return kLanes; }  // floats per vector in this build
 std::string vector_isa() { return MINISGL_ISA; }  // the vector instructions this build targets
+// --- part 7: the function Python calls ---
 
 // y = x @ w.T (+ bias) for a few rows of x (a decode batch), w [N, K] in the checkpoint's
 // layout: each output feature's K weights contiguous. MKL's GEMM, tuned for large products,
