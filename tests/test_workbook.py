@@ -391,8 +391,8 @@ SOLUTION_FAILURES = {
     "marker-not-own-line": ([wf("x = 1  # END SOLUTION")], True,
                             "cell 1 line 2: a marker must be a comment line of its own"),
     "cell-too-long": ([wf(*[f"x{i} = {i}" for i in range(wb.MAX_CELL_LINES + 1)])], True,
-                      f"cell 1: {wb.MAX_CELL_LINES + 1} lines for minisgl/ops.py, more than the "
-                      f"{wb.MAX_CELL_LINES} a cell may write"),
+                      (f"cell 1: {wb.MAX_CELL_LINES + 1} lines for minisgl/ops.py, more than the "
+                       f"{wb.MAX_CELL_LINES} a cell may write")),
 }
 
 
