@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, part by part, in both configurations (batch 1 and 16).
+"""Where a decode step's time goes, part by part, in both configurations (batch 1, 4, 16).
 
 The step is the milestone's ``step()`` (``measure.run_step``). Each part is timed by wrapping,
 on this Engine's objects only, the functions the step calls, so the parts add up to the step:
@@ -41,7 +41,7 @@ from benchmarks.measure import (
     run_and_record,
 )
 
-BATCHES = (1, 16)
+BATCHES = (1, 4, 16)
 LEAVES = ("matmuls", "norms", "rope", "activation", "attention", "embedding")
 
 
@@ -188,6 +188,11 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
         f"{statistics.median(plain[c]) * 1e3:.2f}" for c in cols) + " |")
     if why_not:
         lines += ["", f"The kernels could not be built ({why_not}): one configuration only."]
+    ratios = "; ".join(
+        f"{CONFIGS[c]}: " + ", ".join(
+            f"batch {b} {statistics.median(plain[c, b]) / statistics.median(plain[c, 1]):.2f}x"
+            for b in BATCHES[1:]) for c in configs)
+    lines += ["", f"Each batch's step against batch 1's (without the wrappers): {ratios}."]
     k = configs[-1]
     rest = vals[k, 1]["step"] - vals[k, 1]["matmuls"]
     lines += ["", (f"At batch 1, {CONFIGS[k]}: everything but the matmuls takes {rest:.2f} ms "
