@@ -1370,11 +1370,12 @@ def test_linear_on_every_remainder(kmod):
 
 def test_small_ops_on_every_remainder(kmod):
     """rmsnorm, add + rmsnorm and silu * up on widths ending in each remainder of a 16-float
-    vector (after 0, 1 and 36 whole vectors), 1 or 5 rows, strided or not, 1 or 2 threads."""
+    vector (after 0, 1 and 36 whole vectors), 1, 5 or 16 rows, strided or not, 1 or 2 threads
+    (16 rows of 576 and more: several chunks, on both threads)."""
     g = torch.Generator().manual_seed(1)
     failures = []
     for h in [*range(1, 33), *range(576, 592)]:
-        for t, off, threads in [(1, 0, 1), (5, 2, 2)]:
+        for t, off, threads in [(1, 0, 1), (5, 2, 2), (16, 1, 2)]:
             x, r = strided_rows(t, h, off, g), strided_rows(t, h, 1, g)
             w = torch.randn(h, generator=g)
             gu = strided_rows(t, 2 * h, off, g)

@@ -386,7 +386,13 @@ Workers& workers() {
 template <typename F>
 void split_rows(int64_t n, int64_t chunk, const F& f) { workers().run(n, chunk, f); }
 
-constexpr int64_t kRowGrain = 64;  // a prefill's rows per chunk in the small ops
+constexpr int64_t kRowGrain = 64;  // a prefill's rows per chunk in RoPE
+
+// Rows per chunk for a row-by-row op on rows of `width` floats: about `floats` a chunk, so that
+// a decode batch's few long rows go to both threads too, not only a prefill's many.
+inline int64_t rows_per_chunk(int64_t width, int64_t floats) {
+  return std::max<int64_t>(1, floats / std::max<int64_t>(width, 1));
+}
 
 // For tests: the chunks of a split of [0, n) that the calling thread took, in its order, and
 // those the workers took. Each chunk first waits `us` microseconds, so that the workers have
