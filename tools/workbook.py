@@ -267,8 +267,8 @@ def parse_chapter(nn: str, name: str, nb: dict) -> Chapter:
             chap.has_test_cell |= cell.get("cell_type") == "code" and bool(test_call.search(src))
             continue
         target, body, errors = parsed
-        if len(body.splitlines()) > MAX_CELL_LINES:
-            errors.append(f"{len(body.splitlines())} lines for {target}, more than the "
+        if (lines := len(body.splitlines())) > MAX_CELL_LINES:
+            errors.append(f"{lines} lines for {target}, more than the "
                           f"{MAX_CELL_LINES} a cell may write: end the cell at a place where the "
                           "code changes subject and write the rest with a `%%writefile -a` cell "
                           "whose first line is a part marker (`# --- part N: title ---`, `//` in "
