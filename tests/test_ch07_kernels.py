@@ -387,6 +387,116 @@ def test_read_ahead_follows_the_order_of_the_calls(kmod):
     assert kmod.read_ahead_plan(plain) == [], "a freed buffer's weights must leave every plan"
 
 
+def kv_spans(slots, lens, k_cache, v_cache, most=32):
+    """The (address, bytes) spans of the rows a decode attention read, computed here: each
+    request's slots up to its length, cut into runs of consecutive slots (slot s + 1 right after
+    slot s), the first ``most`` runs in request order, each run's keys and then its values."""
+    row = k_cache.shape[1] * k_cache.element_size()
+    runs = []
+    for b, n in enumerate(lens):
+        s, j = [int(v) for v in slots[b][:n]], 0
+        while j < n:
+            e = j + 1
+            while e < n and s[e] == s[e - 1] + 1:
+                e += 1
+            runs.append((s[j], e - j))
+            j = e
+    return [(cache.data_ptr() + first * row, count * row)
+            for first, count in runs[:most] for cache in (k_cache, v_cache)]
+
+
+def forget_kv_notes(kmod):
+    """Forget which attention's rows followed which matmul: other tests' weights, freed since,
+    may have had the addresses of this test's."""
+    kmod.forget_kv_rows()
+
+
+def test_after_a_matmul_the_workers_prefetch_the_rows_the_next_attention_read(kmod):
+    """A decode attention notes the weight of the matmul that ran just before it (a layer's qkv
+    projection): that matmul's plan then names the attention's caches, at the slots of the
+    latest decode attention, as runs of consecutive slots, at most 32, in request order, each
+    run's keys and then its values. Hypothesis draws the slots: runs broken by gaps, by a step
+    back, by a slot repeated, and padding past each length that continues the last run (never
+    read: a plan that runs to the padded width makes that run longer). Checked against the runs
+    computed here."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    D, hq, hkv = 8, 4, 2
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, 16, generator=g), torch.randn(8, 16, generator=g)
+    piece = st.tuples(st.integers(0, 120), st.integers(1, 6))  # (first slot, slots in a row)
+    forget_kv_notes(kmod)
+
+    @generated(200)
+    @given(st.lists(st.lists(piece, min_size=1, max_size=6), min_size=1, max_size=12),
+           st.integers(0, 3))
+    def check(reqs, pad):
+        rows = [[s for first, n in pieces for s in range(first, first + n)] for pieces in reqs]
+        lens, L = [len(r) for r in rows], max(len(r) for r in rows) + pad
+        slots = [r + [r[-1] + 1 + i for i in range(L - len(r))] for r in rows]
+        S = max(max(r) for r in slots) + 1
+        k_cache, v_cache = (torch.randn(S, hkv * D, generator=g) for _ in range(2))
+        q = torch.randn(len(rows), hq * D, generator=g)
+        kmod.linear(x, w, None)
+        kmod.decode_attention(q, k_cache, v_cache, torch.tensor(slots).reshape(-1),
+                              torch.tensor(lens), L, D)
+        want = kv_spans(slots, lens, k_cache, v_cache)
+        got = kmod.kv_read_ahead_plan(w)
+        assert got == want, (f"after the matmul before an attention over {len(rows)} requests "
+                             f"(lengths {lens}), the workers would prefetch {len(got) // 2} runs "
+                             f"{got[:4]}..., not the {len(want) // 2} runs {want[:4]}... of "
+                             "slots that attention read")
+
+    check()
+
+
+def test_each_layers_matmul_plans_its_own_caches_at_the_latest_slots(kmod):
+    """Two layers: the matmul before each attention plans that attention's caches, both at the
+    slots of the latest decode attention (a step's layers share them); a matmul that was never
+    followed by an attention plans nothing. Off, every plan is empty, the notes are still made,
+    and the results are the same bits either way."""
+    D, hq, hkv, S = 16, 4, 2, 64
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 32, generator=g)
+    a, b, c = (torch.randn(8, 32, generator=g) for _ in range(3))
+    caches = [[torch.randn(S, hkv * D, generator=g) for _ in range(2)] for _ in range(2)]
+    q = torch.randn(2, hq * D, generator=g)
+
+    def step(slots, lens):
+        out = [kmod.linear(x, c, None)]
+        for w, (k, v) in zip((a, b), caches):
+            out.append(kmod.linear(x, w, None))
+            out.append(kmod.decode_attention(q, k, v, torch.tensor(slots).reshape(-1),
+                                             torch.tensor(lens), len(slots[0]), D))
+        return out
+
+    forget_kv_notes(kmod)
+    try:
+        first = step([[3, 4, 5, 9], [20, 21, 22, 23]], [4, 3])
+        s2, l2 = [[40, 41, 42, 43, 44], [7, 6, 5, 50, 51]], [5, 5]
+        second = step(s2, l2)
+        for w, (k, v), name in ((a, *caches[:1], "a"), (b, *caches[1:], "b")):
+            assert kmod.kv_read_ahead_plan(w) == kv_spans(s2, l2, k, v), (
+                f"after {name}, the workers must prefetch the caches of the attention that "
+                "followed it, at the latest attention's slots")
+        assert kmod.kv_read_ahead_plan(c) == [], "c was never followed by an attention"
+        assert kmod.set_kv_read_ahead(False) is True
+        assert kmod.kv_read_ahead_plan(a) == [] and kmod.kv_read_ahead_plan(b) == [], (
+            "off: the workers prefetch nothing")
+        off = step(s2, l2)
+        for y_on, y_off in zip(second, off):
+            assert torch.equal(y_on, y_off), "prefetching the attention's rows changed a result"
+        s3, l3 = [[60, 61, 62, 63, 0], [1, 2, 3, 4, 5]], [4, 5]
+        step(s3, l3)
+        assert kmod.set_kv_read_ahead(True) is False
+        assert kmod.kv_read_ahead_plan(a) == kv_spans(s3, l3, *caches[0]), (
+            "off, the attentions' notes are still made: on again, the plans are the latest")
+        assert len(first) == len(second)
+    finally:
+        kmod.set_kv_read_ahead(True)
+
+
 def test_the_kernel_ab_benchmark_gives_each_build_its_own_weight_buffer(kmod):
     """``benchmarks/bench_kernel_ab.py`` swaps two builds of the library under one Engine. A
     library reads ahead only inside a buffer it mapped itself, so each build must run on its own
@@ -1809,6 +1919,42 @@ def test_a_kernel_engine_binds_every_op_once_and_calls_each_kernel_per_layer(kmo
         assert layer.self_attn.qkv_proj._matmul is F.linear
         assert engine.kv_cache._kernel is None
         assert engine.sampler._argmax is not kernel.argmax
+    finally:
+        engine.shutdown()
+
+
+def test_a_kernel_engine_prefetches_each_layers_rows_after_its_qkv_matmul(kmod):
+    """In a decode step of tiny-qwen2 with the kernels, each layer's qkv projection plans that
+    layer's key and value rows (the cpp backend's views of the pool) at the step's slots, and
+    no other matmul (o, gate_up, down, the LM head) plans any: the attention's rows are read
+    ahead right before the attention, by the worker the qkv matmul leaves idle."""
+    from benchmarks.measure import run_step
+    from minisgl.engine import Engine
+
+    engine = Engine(_config(cpu_kernels=True))
+    try:
+        forget_kv_notes(kmod)
+        seen = []
+        prepare = engine.attn_backend.prepare_metadata
+
+        def keep(batch):
+            prepare(batch)
+            seen.append(batch.attn_metadata)
+
+        engine.attn_backend.prepare_metadata = keep
+        reqs = _two_reqs(engine)
+        run_step(engine, reqs, "prefill")
+        run_step(engine, reqs, "decode")
+        md = seen[-1]
+        slots = md.kv_slots.view(len(reqs), md.max_kv_len).tolist()
+        lens = md.seq_lens.tolist()
+        for i, layer in enumerate(engine.model.model.layers.op_list):
+            k_rows, v_rows = engine.attn_backend._rows[i]
+            assert kmod.kv_read_ahead_plan(layer.self_attn.qkv_proj.weight) == kv_spans(
+                slots, lens, k_rows, v_rows), f"layer {i}: its qkv matmul must plan its rows"
+            for op in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                assert kmod.kv_read_ahead_plan(op.weight) == [], (
+                    f"layer {i}: no attention follows {type(op).__name__}")
     finally:
         engine.shutdown()
 

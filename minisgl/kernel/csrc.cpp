@@ -27,6 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query per request over the paged pool");
   m.def("store_kv", &store_kv, "row j of k and v into slot out_loc[j] of one layer's caches");
   m.def("linear", &linear, "x @ w.T (+ bias) for a few rows of x");
+  m.def("kv_read_ahead_plan", &kv_read_ahead_plan, "(address, bytes) of the key and value "
+        "rows the workers prefetch after w: the rows the attention after w read, at its slots");
+  m.def("set_kv_read_ahead", &set_kv_read_ahead, "prefetch the next attention's rows (default "
+        "true); the old setting");
+  m.def("forget_kv_rows", &forget_kv_rows, "for tests: forget which rows followed which matmul");
   m.def("read_ahead_plan", &read_ahead_plan, "(address, bytes) the workers read ahead after w");
   m.def("set_read_ahead", &set_read_ahead, "bytes read ahead after a call (0: none); the old");
   m.def("weight_buffer", &weight_buffer, "nbytes of zeroed memory on a 2 MB boundary, in 2 MB "

@@ -67,6 +67,11 @@ void score_keys(const float* qh, const float* kh, const int64_t* sl, int64_t row
 
 }  // namespace
 // --- part 2: decode attention ---
+namespace {
+void remember_kv_rows(const float* k, const float* v, int64_t row, const int64_t* slots,
+                      const int64_t* lens, int64_t B, int64_t L);  // part 4
+}  // namespace
+
 // Decode attention over the paged pool, one query per request. The caller has already written
 // this step's k, v into the pool (store_kv: the pool has one writer), so request b attends to
 // slots kv_slots[b*L .. b*L + seq_lens[b]), its new token included.
@@ -102,6 +107,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   }
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
+  remember_kv_rows(kc, vc, row, slots, lens, B, L);  // for the next step's workers (part 4)
   auto o = torch::empty({B, Hq * D}, q.options());
   const float scale = 1.0f / std::sqrt((float)D);
   const float* qp = q2.data_ptr<float>();
@@ -211,4 +217,68 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
     std::memcpy(kc + slot[j] * row, kp + j * k.stride(0), row * sizeof(float));
     std::memcpy(vc + slot[j] * row, vp + j * v.stride(0), row * sizeof(float));
   }
+}
+// --- part 4: the rows the next attention reads ---
+namespace {
+
+// Every layer of a decode step reads the same slots (the step's requests'), each in its own
+// caches. So decode_attention notes the weight of the matmul just before it (g_last, linear.h:
+// the layer's qkv projection) with its caches, and the slots it read, as runs of consecutive
+// slots. Next time that matmul runs, its plan (plan_read_ahead) names those caches at the
+// latest slots, and the workers prefetch them while the caller runs rope, store_kv and the
+// Python before the attention. Layer 0 gets the last step's slots: one key fewer per request,
+// and that key store_kv has just written, so it is in cache anyway.
+struct KvLayer { const float* k; const float* v; int64_t row; };
+std::unordered_map<const float*, KvLayer> g_kv_after;  // weight -> the caches attention read next
+KvRuns g_kv_slots;  // the slots the last decode attention read (its k and v unused)
+bool g_kv_read_ahead = true;
+
+void remember_kv_rows(const float* k, const float* v, int64_t row, const int64_t* slots,
+                      const int64_t* lens, int64_t B, int64_t L) {
+  if (g_last != nullptr) {
+    if (g_kv_after.size() > 4096) g_kv_after.clear();  // a process that loads model after model
+    g_kv_after[g_last] = {k, v, row};
+  }
+  int n = 0;  // the first KvRuns::kMax runs; a request's slots past them are not prefetched
+  for (int64_t b = 0; b < B && n < KvRuns::kMax; ++b) {
+    const int64_t* sl = slots + b * L;
+    for (int64_t j = 0, e; j < lens[b] && n < KvRuns::kMax; j = e, ++n) {
+      for (e = j + 1; e < lens[b] && sl[e] == sl[e - 1] + 1; ++e) {}
+      g_kv_slots.first[n] = sl[j];
+      g_kv_slots.count[n] = e - j;
+    }
+  }
+  g_kv_slots.n = n;
+}
+
+void plan_kv_rows(const float* w, KvRuns& kv) {
+  const auto it = g_kv_read_ahead ? g_kv_after.find(w) : g_kv_after.end();
+  if (it == g_kv_after.end()) return;
+  kv = g_kv_slots;
+  kv.k = it->second.k;
+  kv.v = it->second.v;
+  kv.row = it->second.row;
+}
+
+}  // namespace
+
+// For tests and benchmarks: the (address, bytes) spans the workers prefetch after a matmul with
+// weight w, in their order (each run's keys, then its values); turning that on or off (the notes
+// are kept either way), which returns the old setting; and forgetting every note. Only the
+// speed can change: a prefetch changes no result.
+std::vector<std::pair<int64_t, int64_t>> kv_read_ahead_plan(torch::Tensor w) {
+  KvRuns kv;
+  plan_kv_rows(w.data_ptr<float>(), kv);
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (int r = 0; r < kv.n; ++r)
+    for (int c = 0; c < 2; ++c) {
+      const auto [lo, hi] = kv.span(r, c);
+      spans.emplace_back(int64_t(lo), int64_t(hi - lo));
+    }
+  return spans;
+}
+bool set_kv_read_ahead(bool on) { return std::exchange(g_kv_read_ahead, on); }
+void forget_kv_rows() {
+  g_kv_after.clear();
+  g_kv_slots.n = 0;
 }

@@ -199,15 +199,35 @@ namespace {
 // started there would fetch them from the other core (on a Zen 2, one counter for all made the
 // decode step 1-2% slower at batches 1 to 8).
 
-// Memory a call asks the workers to read ahead once its chunks are taken: the weights the next
-// calls will read (linear.h). Between two matmuls of a decode step the caller runs a norm, rope,
-// attention, Python: memory would sit idle, and a worker would only spin.
+// The key and value rows the next decode attention will read (attention.h, part 4): runs of
+// consecutive slots of one layer's caches, `row` floats a slot. A worker touches them with
+// prefetch hints, not loads: a hint never faults, so a pool freed meanwhile costs nothing.
+struct KvRuns {
+  static constexpr int kMax = 32;  // runs: one per request whose slots are consecutive
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t row = 0;
+  int n = 0;
+  int64_t first[kMax] = {}, count[kMax] = {};  // slots first[r] .. first[r] + count[r] - 1
+  // the bytes [lo, hi) of run r in the keys (c = 0) or the values (c = 1), as integers: the
+  // pool may have been freed, and then these are addresses, never pointers to read through
+  std::pair<uintptr_t, uintptr_t> span(int r, int c) const {
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(c ? v : k) + first[r] * row * sizeof(float);
+    return {lo, lo + count[r] * row * sizeof(float)};
+  }
+};
+
+// Memory a call asks the workers to read ahead once its chunks are taken: the rows the next
+// attention reads, then the weights the next calls will read (linear.h). Between two matmuls of
+// a decode step the caller runs a norm, rope, attention, Python: memory would sit idle, and a
+// worker would only spin.
 struct ReadAhead {
   static constexpr int kSpans = 8;
   const char* lo[kSpans] = {};
   const char* hi[kSpans] = {};
   int n = 0;
   uint64_t frees = 0;  // g_frees when the spans were planned
+  KvRuns kv;           // none (n = 0) but after a layer's last matmul before its attention
 };
 
 // The workers read ahead with plain loads, which bring each line into the reading core's cache for
@@ -286,8 +306,16 @@ class Workers {
   bool stop_ = false;
 
   void wait_for_call(uint64_t seen, const ReadAhead& ahead) {
-    // first read the memory the last call named, one load per cache line, until a call comes
-    // or a buffer is freed (part 4: g_reading counts this worker before it looks at g_frees)
+    // first the rows the next attention reads, a hint per cache line, until a call comes
+    for (int r = 0; r < ahead.kv.n; ++r)
+      for (int c = 0; c < 2; ++c) {
+        auto [p, end] = ahead.kv.span(r, c);
+        while (p < end && gen_.load() == seen)
+          for (int j = 0; j < 16 && p < end; ++j, p += 64)
+            __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 3);
+      }
+    // then the memory the last call named, one load per cache line, until a call comes or a
+    // buffer is freed (part 4: g_reading counts this worker before it looks at g_frees)
     if (ahead.n > 0) {  // most calls (the small ops, attention) name nothing
       ++g_reading;
       for (int s = 0; s < ahead.n; ++s)

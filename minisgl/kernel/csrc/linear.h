@@ -324,8 +324,11 @@ bool in_buffer(const char* lo, const char* hi) {  // with g_buffers_mu held
   return false;
 }
 
+void plan_kv_rows(const float* w, KvRuns& kv);  // attention.h, part 4
+
 ReadAhead plan_read_ahead(const float* w) {
   ReadAhead ahead;
+  plan_kv_rows(w, ahead.kv);  // when attention followed w last time: its rows, this step's slots
   // g_frees before the buffers are looked at (part 4 of common.h): a free between the two then
   // voids the plan. (Python plans and frees under its GIL, never at once; a C++ caller may not.)
   ahead.frees = g_frees.load();

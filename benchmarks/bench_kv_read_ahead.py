@@ -1,0 +1,122 @@
+"""The next attention's rows read ahead: the kernels' decode step with that on and off.
+
+Between two layers' attention a decode step streams about 14 MB of weights through the caches,
+so every key and value row decode attention reads comes from memory. Since session 55,
+``decode_attention`` (chapter 07, ``csrc/attention.h`` part 4) notes which matmul ran just
+before it (the layer's qkv projection), and after that matmul the kernels' worker prefetches the
+layer's rows while the calling thread runs rope, ``store_kv`` and the layer's Python.
+``set_kv_read_ahead`` turns it off and on. This benchmark does so step by step, alternating, in
+one process and one Engine (``cpu_kernels=True``), so that the host's drift falls on both alike,
+and times each decode step (the milestone's ``step()``) and the attention inside it (the cpp
+backend's ``forward``, all 30 layers: ``store_kv`` and ``decode_attention``), at batch 1, 4 and
+16. It also checks that both ways give the same greedy tokens.
+
+    python benchmarks/bench_kv_read_ahead.py [--rounds 4] [--steps 24] [--threads N] [--no-readme]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_decode import Engines
+from benchmarks.measure import batch_prompts, bench_parser, header, run_and_record
+
+BATCHES = (1, 4, 16)
+WARMUP = 4
+
+
+def greedy_tokens(runner, mod, batch: int, on: bool, n: int = 12) -> list[list[int]]:
+    """``n`` decode steps' tokens with the read-ahead ``on`` or off throughout."""
+    mod.set_kv_read_ahead(on)
+    reqs = runner.make_reqs(batch_prompts(batch), n + 1)
+    runner.step(reqs, "prefill")
+    return [runner.step(reqs, "decode") for _ in range(n)]
+
+
+def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -> str:
+    from transformers import AutoTokenizer
+
+    from minisgl import kernel
+
+    mod = kernel.load()
+    if mod is None:
+        return f"The kernels could not be built ({kernel.unavailable_reason()}): nothing to measure."
+    tok = AutoTokenizer.from_pretrained(model_path)
+    engines = Engines(model_path, tok, threads)
+    runner = engines.get(True)
+    backend = engines.engine.attn_backend
+    forward, attention = backend.forward, [0.0]
+
+    def timed(*args, **kwargs):  # on this backend only, taken off again below
+        t0 = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            attention[0] += time.perf_counter() - t0
+
+    load_before = os.getloadavg()[0]
+    step_s: dict[tuple, list[float]] = defaultdict(list)
+    attn_s: dict[tuple, list[float]] = defaultdict(list)
+    same = {}
+    try:
+        for b in BATCHES:
+            runner.tune_prefetch(b)
+            same[b] = greedy_tokens(runner, mod, b, True) == greedy_tokens(runner, mod, b, False)
+        backend.forward = timed
+        for r in range(rounds):
+            for b in BATCHES:
+                reqs = runner.make_reqs(batch_prompts(b), 2 * steps + WARMUP + 1)
+                runner.step(reqs, "prefill")
+                for i in range(2 * steps + WARMUP):
+                    on = (i + r) % 2 == 1
+                    mod.set_kv_read_ahead(on)
+                    attention[0] = 0.0
+                    t0 = time.perf_counter()
+                    runner.step(reqs, "decode")
+                    if i >= WARMUP:
+                        step_s[b, on].append(time.perf_counter() - t0)
+                        attn_s[b, on].append(attention[0])
+    finally:
+        mod.set_kv_read_ahead(True)
+        del backend.forward  # the method again: the instance attribute was the wrapper
+    threads = torch.get_num_threads()
+    engines.close()
+
+    def ms(xs: list[float]) -> float:
+        return statistics.median(xs) * 1e3
+
+    lines = [
+        (f"{header(model_path, 'float32, `cpu_kernels=True`', threads)}; {rounds} rounds x "
+         f"{2 * steps} decode steps per batch, the read-ahead of the attention's rows off and "
+         f"on in turn, step by step; medians; load average before / after {load_before:.1f} / "
+         f"{os.getloadavg()[0]:.1f}."),
+        "",
+        ("| batch | step, off (ms) | step, on (ms) | on / off | attention, off (ms) | "
+         "attention, on (ms) | on / off | the same greedy tokens |"),
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for b in BATCHES:
+        s0, s1 = ms(step_s[b, False]), ms(step_s[b, True])
+        a0, a1 = ms(attn_s[b, False]), ms(attn_s[b, True])
+        lines.append(f"| {b} | {s0:.2f} | {s1:.2f} | {s1 / s0:.3f}x | {a0:.3f} | {a1:.3f} | "
+                     f"{a1 / a0:.3f}x | {'yes' if same[b] else '**no**'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = bench_parser(__doc__)
+    ap.set_defaults(rounds=4, steps=24)
+    run_and_record(ap.parse_args(), run, "BENCH_KV_READ_AHEAD",
+                   "The next attention's rows read ahead (`bench_kv_read_ahead.py`)")
+
+
+if __name__ == "__main__":
+    main()
