@@ -107,7 +107,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   }
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
-  remember_kv_rows(kc, vc, row, slots, lens, B, L);  // for the next step's workers (part 4)
+  remember_kv_rows(kc, vc, row, slots, lens, B, L);  // what the workers read ahead (part 4)
   auto o = torch::empty({B, Hq * D}, q.options());
   const float scale = 1.0f / std::sqrt((float)D);
   const float* qp = q2.data_ptr<float>();

@@ -328,7 +328,7 @@ void plan_kv_rows(const float* w, KvRuns& kv);  // attention.h, part 4
 
 ReadAhead plan_read_ahead(const float* w) {
   ReadAhead ahead;
-  plan_kv_rows(w, ahead.kv);  // when attention followed w last time: its rows, this step's slots
+  plan_kv_rows(w, ahead.kv);  // if an attention followed w: its rows, at the latest slots
   // g_frees before the buffers are looked at (part 4 of common.h): a free between the two then
   // voids the plan. (Python plans and frees under its GIL, never at once; a C++ caller may not.)
   ahead.frees = g_frees.load();
