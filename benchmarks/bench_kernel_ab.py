@@ -138,9 +138,7 @@ def run(args) -> str:
             tokens = {}
             for name in builds:  # the same greedy tokens with both libraries
                 use(name)
-                reqs = runner.make_reqs(PROMPTS, 17)
-                runner.step(reqs, "prefill")
-                tokens[name] = [runner.step(reqs, "decode") for _ in range(16)]
+                tokens[name] = runner.greedy_tokens(PROMPTS, 16)
             same = tokens["this tree"] == tokens[args.against]
             steps: dict[tuple[int, str], list[float]] = {}
             for _ in range(args.rounds):

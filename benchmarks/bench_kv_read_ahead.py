@@ -27,18 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_decode import Engines
+from benchmarks.bench_step_parts import Parts
 from benchmarks.measure import batch_prompts, bench_parser, header, run_and_record
 
 BATCHES = (1, 4, 16)
 WARMUP = 4
-
-
-def greedy_tokens(runner, mod, batch: int, on: bool, n: int = 12) -> list[list[int]]:
-    """``n`` decode steps' tokens with the read-ahead ``on`` or off throughout."""
-    mod.set_kv_read_ahead(on)
-    reqs = runner.make_reqs(batch_prompts(batch), n + 1)
-    runner.step(reqs, "prefill")
-    return [runner.step(reqs, "decode") for _ in range(n)]
 
 
 def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -> str:
@@ -52,16 +45,7 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
     tok = AutoTokenizer.from_pretrained(model_path)
     engines = Engines(model_path, tok, threads)
     runner = engines.get(True)
-    backend = engines.engine.attn_backend
-    forward, attention = backend.forward, [0.0]
-
-    def timed(*args, **kwargs):  # on this backend only, taken off again below
-        t0 = time.perf_counter()
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            attention[0] += time.perf_counter() - t0
-
+    parts = Parts()  # times the cpp backend's forward, on this Engine only
     load_before = os.getloadavg()[0]
     step_s: dict[tuple, list[float]] = defaultdict(list)
     attn_s: dict[tuple, list[float]] = defaultdict(list)
@@ -69,8 +53,13 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
     try:
         for b in BATCHES:
             runner.tune_prefetch(b)
-            same[b] = greedy_tokens(runner, mod, b, True) == greedy_tokens(runner, mod, b, False)
-        backend.forward = timed
+            tokens = []
+            for on in (True, False):
+                mod.set_kv_read_ahead(on)
+                tokens.append(runner.greedy_tokens(batch_prompts(b), 12))
+            same[b] = tokens[0] == tokens[1]
+        parts.wrap("attention", engines.engine.attn_backend, "forward")
+        parts.on = True
         for r in range(rounds):
             for b in BATCHES:
                 reqs = runner.make_reqs(batch_prompts(b), 2 * steps + WARMUP + 1)
@@ -78,15 +67,15 @@ def run(model_path: Path, rounds: int, steps: int, threads: int | None = None) -
                 for i in range(2 * steps + WARMUP):
                     on = (i + r) % 2 == 1
                     mod.set_kv_read_ahead(on)
-                    attention[0] = 0.0
+                    parts.sec.clear()
                     t0 = time.perf_counter()
                     runner.step(reqs, "decode")
                     if i >= WARMUP:
                         step_s[b, on].append(time.perf_counter() - t0)
-                        attn_s[b, on].append(attention[0])
+                        attn_s[b, on].append(parts.sec["attention"])
     finally:
         mod.set_kv_read_ahead(True)
-        del backend.forward  # the method again: the instance attribute was the wrapper
+        parts.restore()
     threads = torch.get_num_threads()
     engines.close()
 

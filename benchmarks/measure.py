@@ -284,6 +284,13 @@ class MinisglRunner:
     def step(self, reqs, phase: str) -> list[int]:
         return run_step(self.engine, reqs, phase)
 
+    def greedy_tokens(self, prompts: Sequence[str], n: int) -> list[list[int]]:
+        """Each of ``n`` decode steps' tokens for ``prompts``, after their prefill: what two
+        configurations of one Engine must agree on."""
+        reqs = self.make_reqs(prompts, n + 1)
+        self.step(reqs, "prefill")
+        return [self.step(reqs, "decode") for _ in range(n)]
+
     def tune_prefetch(self, batch_size: int, limit: int = 64) -> None:
         """Decode steps until the kernels' 2-7-row loop has chosen its prefetch (hint and
         distance) for ``batch_size`` rows (``linear.h`` part 5 tunes it in the first steps of

@@ -473,7 +473,7 @@ def test_each_layers_matmul_plans_its_own_caches_at_the_latest_slots(kmod):
 
     forget_kv_notes(kmod)
     try:
-        first = step([[3, 4, 5, 9], [20, 21, 22, 23]], [4, 3])
+        step([[3, 4, 5, 9], [20, 21, 22, 23]], [4, 3])  # notes to be replaced by the next
         s2, l2 = [[40, 41, 42, 43, 44], [7, 6, 5, 50, 51]], [5, 5]
         second = step(s2, l2)
         for w, (k, v), name in ((a, *caches[:1], "a"), (b, *caches[1:], "b")):
@@ -492,7 +492,6 @@ def test_each_layers_matmul_plans_its_own_caches_at_the_latest_slots(kmod):
         assert kmod.set_kv_read_ahead(True) is False
         assert kmod.kv_read_ahead_plan(a) == kv_spans(s3, l3, *caches[0]), (
             "off, the attentions' notes are still made: on again, the plans are the latest")
-        assert len(first) == len(second)
     finally:
         kmod.set_kv_read_ahead(True)
 
