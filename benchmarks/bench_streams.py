@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.measure import ReadPass, cpu_info, update_readme
+from benchmarks.measure import ReadPass, c_compiler, cpu_info, update_readme
 
 STREAMS = (1, 2, 4, 8)
 BLOCKS = (256 << 20, 4 << 20, 256 << 10, 64 << 10, 16 << 10, 8 << 10)  # bytes per thread
@@ -99,10 +98,7 @@ int main(int argc, char** argv) {  /* threads, bytes per thread, (streams block)
 
 
 def compile_reader(folder: Path) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        raise SystemExit("bench_streams needs a C compiler (cc, gcc or clang) on PATH: install "
-                         "one (apt install gcc), as the kernels of chapter 07 need one too")
+    cc = c_compiler("bench_streams")
     src, exe = folder / "streams.c", folder / "streams"
     src.write_text(C_SOURCE)
     for flags in (["-march=native"], []):  # a compiler that rejects -march=native: plain -O2

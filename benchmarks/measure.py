@@ -199,6 +199,17 @@ class ReadPass:
         return self.x.numel() * 4 / statistics.median(times)
 
 
+def c_compiler(who: str) -> str:
+    """The system's C compiler, for a benchmark (``who``) that builds a small C program."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise SystemExit(f"{who} needs a C compiler (cc, gcc or clang) on PATH: install one "
+                         "(apt install gcc), as the kernels of chapter 07 need one too")
+    return cc
+
+
 def weight_bytes(model_path: str | Path) -> int:
     """Bytes of every distinct weight in the checkpoint (tied embeddings counted once)."""
     from safetensors import safe_open

@@ -1190,9 +1190,10 @@ def test_the_many_rows_loop_keeps_its_sums_in_registers(tmp_path):
     the kernels for 4, 8 and 16-float vectors (object files only: no CPU here needs to run
     them) and read every `linear_rows_t<L, MV, TR>`'s inner loop: no vector register may go to
     or come from the stack there. The same holds for the loop of 1 to 7 rows,
-    `linear_few_rows<MM, S, U, Loc>`: MM x S x U sums, up to 14 of AVX2's 16 registers; and
-    that loop reads each vector once a pass (check_few_rows_loads). In both, the addresses and
-    counters stay in general registers (check_pointers_in_registers)."""
+    `linear_few_rows<MM, S, U, Loc, L>`: MM x S x U sums, up to 14 of AVX2's 16 registers; and
+    that loop reads each vector once a pass (check_few_rows_loads), in the vectors its L names
+    (check_few_rows_width: 8 floats from 2 rows on in the AVX-512 build). In both, the addresses
+    and counters stay in general registers (check_pointers_in_registers)."""
     import platform
     import shutil
     import sysconfig
@@ -1248,7 +1249,7 @@ def test_the_many_rows_loop_keeps_its_sums_in_registers(tmp_path):
             args = name[name.index("<"):name.index(">") + 1]
             loops = {**rows, **tiles} if name in rows else few
             bodies = [b for n, bs in loops.items() if args in n for _, b in bs]
-            sums = math.prod(int(a) for a in args.strip("<>").split(","))
+            sums = math.prod(int(a) for a in args.strip("<>").split(",")[:3])  # MM x S x U
             if name in few and sums < 4:  # a leftover instance: under 4 FMAs a pass, not read
                 continue
             assert bodies, f"{lanes}-float build: no multiply-add loop found in {name}"
@@ -1264,6 +1265,13 @@ def test_the_many_rows_loop_keeps_its_sums_in_registers(tmp_path):
                 check_pointers_in_registers(name, lanes, body)
             if name in few:
                 check_few_rows_loads(name, lanes, bodies)
+                check_few_rows_width(name, lanes, bodies)
+        if lanes == 16:  # the AVX-512 build has both widths: one row at 16, more at 8
+            widths = {int(n[n.index("<") + 1:n.index(">")].split(",")[0]):
+                      int(n[n.index("<") + 1:n.index(">")].split(",")[4]) for n in few}
+            assert widths.get(1) == 16 and widths.get(4) == 8, (
+                f"16-float build: linear_few_rows takes {widths} (rows: floats a vector); "
+                "1 row must keep 16-float vectors, 2 to 7 rows take 8 (linear.h part 1, Width)")
 
 
 def check_pointers_in_registers(name: str, lanes: int, body: list[str]) -> None:
@@ -1305,8 +1313,25 @@ def memory_reads(body: list[str]) -> int:
     return count
 
 
+def check_few_rows_width(name: str, lanes: int, bodies: list[list[str]]) -> None:
+    """`linear_few_rows<MM, S, U, Loc, L>` multiplies in vectors of L floats: every FMA of its
+    inner loop on the registers of that width (%zmm: 16, %ymm: 8, %xmm: 4), none wider or
+    narrower. A loop declared for 8 floats whose loads or sums were still typed for 16 would
+    not compile; this reads what the compiler made of the width it was given."""
+    import re
+
+    width = int(name[name.index("<") + 1:name.index(">")].split(",")[4])
+    reg = {16: "zmm", 8: "ymm", 4: "xmm"}[width]
+    for body in bodies:
+        fmas = [i for i in body if re.match(r"v?(fn?madd\w*ps|mulps)\b", i)]
+        wrong = [i for i in fmas if f"%{reg}" not in i or
+                 any(f"%{r}" in i for r in ("zmm", "ymm", "xmm") if r != reg)]
+        assert not wrong, (f"{lanes}-float build: {name} declares {width}-float vectors, but its "
+                           f"loop multiplies in other registers: {wrong[:2]}")
+
+
 def check_few_rows_loads(name: str, lanes: int, bodies: list[list[str]]) -> None:
-    """`linear_few_rows<MM, S, U, Loc>` loads each vector of x once a pass and each stream's
+    """`linear_few_rows<MM, S, U, Loc, L>` loads each vector of x once a pass and each stream's
     weight vector once: U * (S + MM) reads for MM * S * U multiply-adds, where the registers
     hold them (32 with AVX-512, 16 otherwise). Rows of x that the sums and the weight vector
     leave no register for are read from L1 by every stream. GCC 12, left to itself, read the
@@ -1316,7 +1341,7 @@ def check_few_rows_loads(name: str, lanes: int, bodies: list[list[str]]) -> None
     from 2 rows on; one row prefetches nothing."""
     import re
 
-    mm, s, u, loc = (int(a) for a in name[name.index("<") + 1:name.index(">")].split(","))
+    mm, s, u, loc, _ = (int(a) for a in name[name.index("<") + 1:name.index(">")].split(","))
     for body in bodies:
         hints = {i.split()[0] for i in body if i.startswith("prefetch")}
         want = set() if mm == 1 else {("prefetchnta", "prefetcht2")[loc]}
@@ -2294,3 +2319,29 @@ def test_the_streams_benchmark_reads_every_line_once(monkeypatch):
     monkeypatch.setattr(bs, "C_SOURCE", bs.C_SOURCE.replace("b0 + s * run + off", "b0 + off"))
     with pytest.raises(SystemExit, match="must read every line once"):
         bs.run(1, 2, 16 << 20, (64 << 10,))
+
+
+def test_the_floor_benchmark_counts_only_multiply_adds_that_ran(monkeypatch, tmp_path):
+    """``benchmarks/bench_floor.py`` backs the claim that at batch 16 the multiply-adds alone
+    take most of a step: it divides the step's multiply-adds by a peak rate that a small C
+    program measures. A program whose loop ran fewer iterations than it counts would report a
+    peak too high, and so a floor too low. Each of its chains must end where only millions of
+    steps take it; here the same program with its loop cut to a thousandth is refused."""
+    import shutil
+
+    import benchmarks.bench_floor as bf
+
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("needs a C compiler")
+    mod = kernel.load()
+    lanes = mod.vector_lanes() if mod is not None else 4  # the kernels' vectors, as the script
+    exe = bf.compile_fma(tmp_path, lanes)
+    assert bf.fma_peak(exe, 2, lanes, 6_000_000) > 0
+    monkeypatch.setattr(bf, "C_SOURCE", bf.C_SOURCE.replace("it < iters;", "it < iters / 1000;"))
+    assert bf.C_SOURCE.count("it < iters / 1000;") == 1
+    (tmp_path / "short").mkdir()
+    short = bf.compile_fma(tmp_path / "short", lanes)
+    with pytest.raises(SystemExit, match="did not run its iterations"):
+        bf.fma_peak(short, 2, lanes, 6_000_000)
+    with pytest.raises(ValueError, match="5 million steps"):
+        bf.fma_peak(exe, 2, lanes, 1000)

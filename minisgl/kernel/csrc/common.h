@@ -129,12 +129,16 @@ inline float tree_sum(typename VecOf<N>::type v, std::index_sequence<I...>) {
     return tree_sum<N / 2>(lo + hi, std::make_index_sequence<N / 4>{});
   }
 }
-inline float hsum(vecf v) { return tree_sum<kLanes>(v, std::make_index_sequence<kLanes / 2>{}); }
+template <int N>
+inline float hsum_of(typename VecOf<N>::type v) {
+  return tree_sum<N>(v, std::make_index_sequence<N / 2>{});
+}
+inline float hsum(vecf v) { return hsum_of<kLanes>(v); }
 
 // a[0] + ... + a[U - 1], pairwise, one expression once inlined: every index is a constant, so
 // the sums stay in registers (as a loop over a, GCC stored them to the stack and read them back)
-template <int U>
-inline vecf sum_pairwise(const vecf* a) {
+template <int U, typename V>
+inline V sum_pairwise(const V* a) {
   if constexpr (U == 1) return a[0];
   else return sum_pairwise<U / 2>(a) + sum_pairwise<U - U / 2>(a + U / 2);
 }

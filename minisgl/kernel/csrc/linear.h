@@ -4,13 +4,12 @@
 
 namespace {
 
-// 1 to 7 rows of x: each output feature is the dot product of a row of x with one weight row,
-// and each weight row is read once, against all the rows of x (in L1).
-// Streams. A chunk's weight rows lie one after another in memory: read front to back they are
-// one stream, and a core reading one stream keeps too few lines on their way from memory (on a
-// Zen 2, 2 threads, 32-33 GB/s with one stream each, 48-51 GB/s with four: bench_streams.py).
-// So the chunk is cut into S runs of q rows, and the loop takes row i of every run at once: S
-// streams, each read front to back. The rows past S * q, fewer than S, follow as one stream.
+// 1 to 7 rows of x: each weight row is read once, against all the rows of x (in L1).
+// Streams. A chunk's weight rows lie one after another: read front to back they are one stream,
+// and a core reading one stream keeps too few lines on their way from memory (2 threads of a Zen
+// 2: 32-33 GB/s, one stream each; 48-51 GB/s with four: bench_streams.py). So the chunk is cut
+// into S runs of q rows, and the loop takes row i of every run at once: S streams, each read
+// front to back. The rows past S * q, fewer than S, follow as one stream.
 // Sums and registers. Each weight vector meets the MM rows of x, into U partial sums per row of
 // x and stream: an FMA into a sum waits for the one before it, so 8 or more independent sums
 // keep FMAs in flight, and at most 14 leave AVX2's 16 vector registers room for the operands.
@@ -18,49 +17,52 @@ namespace {
 // rows: in_register (common.h) keeps them there. Left alone, GCC 12's AVX-512 build read them
 // again inside the FMAs (21 loads for 12 FMAs at 4 rows: half the speed in L2 on a Zen 4). Rows
 // of x the registers cannot hold (AVX2, 4 rows and more) are read from L1 by every stream.
-// Prefetch. From 2 rows of x on, the loop also asks for each stream's line `ahead` floats on:
-// with more instructions between two weight lines, the core no longer looks far enough ahead.
-// Hint Loc 0 is non-temporal (prefetchnta on x86), Loc 1 into L2 (prefetcht2): at 2 to 4 rows
-// a Zen 2's step did best with the first, a Zen 4's with the second; part 5 tunes which, and
-// how far ahead, per row count, in the calls themselves.
+// Width. L floats a vector: kLanes, but 8 from 2 rows on in an AVX-512 build. A Zen 4 runs a
+// 16-float FMA as two halves, and 16 took 1.03-1.16x the step at 4-7 rows; 1 row keeps 16.
+// Prefetch. From 2 rows of x on, the loop also asks for each stream's line `ahead` floats on
+// (with more instructions between two lines the core looks less far ahead), with hint Loc: 0
+// non-temporal (prefetchnta on x86), 1 into L2 (prefetcht2). At 2 to 4 rows a Zen 2's step did
+// best with the first, a Zen 4's with the second: part 5 tunes both, per row count, in the calls.
 // Never inlined: each instance gets registers of its own, and a test reads its inner loop.
-template <int MM, int S, int U, int Loc>
+constexpr int kFewLanes = kLanes == 16 ? 8 : kLanes;  // L from 2 rows on ("Width" above)
+template <int MM, int S, int U, int Loc, int L = MM == 1 ? kLanes : kFewLanes>
 __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, const float* w,
                                                int64_t ldw, int64_t K, const float* bias,
                                                float* y, int64_t ldy, int64_t lo, int64_t hi,
                                                int64_t ahead) {
+  typedef typename VecOf<L>::type vec;
   // the rows of x held in registers: as many as the sums and the weight vector leave room for
   constexpr int kPinned = std::max(0, std::min(MM, kVecRegs - MM * S * U - 1));
   const int64_t q = (hi - lo) / S;  // rows per stream
   for (int64_t i = 0; i < q; ++i) {
     const float* ws[S];  // row i of each run
     for (int s = 0; s < S; ++s) ws[s] = w + (lo + s * q + i) * ldw;
-    vecf acc[MM][S][U] = {};
+    vec acc[MM][S][U] = {};
     int64_t k = 0;
-    for (; k + U * kLanes <= K; k += U * kLanes)
+    for (; k + U * L <= K; k += U * L)
       for (int u = 0; u < U; ++u) {
-        vecf xv[MM];  // this vector of each row of x, loaded once for all S streams
+        vec xv[MM];  // this vector of each row of x, loaded once for all S streams
         for (int m = 0; m < MM; ++m) {
-          xv[m] = loadv(x + m * ldx + k + u * kLanes);
+          xv[m] = load_vec<L>(x + m * ldx + k + u * L);
           if (m < kPinned) in_register(xv[m]);
         }
         for (int s = 0; s < S; ++s) {
-          if (MM > 1 && u * kLanes % 16 == 0)  // one row: the hardware keeps up by itself
-            __builtin_prefetch(ws[s] + k + u * kLanes + ahead, 0, Loc);
-          vecf a = loadv(ws[s] + k + u * kLanes);
+          if (MM > 1 && u * L % 16 == 0)  // one row: the hardware keeps up by itself
+            __builtin_prefetch(ws[s] + k + u * L + ahead, 0, Loc);
+          vec a = load_vec<L>(ws[s] + k + u * L);
           if (MM > 1) in_register(a);  // one row: a single FMA takes it from memory itself
           for (int m = 0; m < MM; ++m) acc[m][s][u] += xv[m] * a;
         }
       }
-    for (; k + kLanes <= K; k += kLanes)  // K % kLanes columns left: add_tail_columns
+    for (; k + L <= K; k += L)  // K % L columns left: add_tail_columns
       for (int s = 0; s < S; ++s) {
-        const vecf a = loadv(ws[s] + k);
-        for (int m = 0; m < MM; ++m) acc[m][s][0] += loadv(x + m * ldx + k) * a;
+        const vec a = load_vec<L>(ws[s] + k);
+        for (int m = 0; m < MM; ++m) acc[m][s][0] += load_vec<L>(x + m * ldx + k) * a;
       }
     for (int m = 0; m < MM; ++m)
       for (int s = 0; s < S; ++s) {
         const int64_t n = lo + s * q + i;
-        const float v = hsum(sum_pairwise<U>(acc[m][s]));
+        const float v = hsum_of<L>(sum_pairwise<U>(acc[m][s]));
         y[m * ldy + n] = bias ? v + bias[n] : v;
       }
   }
@@ -68,28 +70,25 @@ __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, cons
   // in the same order wherever a chunk ends (the same bits on 1, 2 or 3 threads)
   if constexpr (S > 1)
     if (lo + S * q < hi)
-      linear_few_rows<MM, 1, U, Loc>(x, ldx, w, ldw, K, bias, y, ldy, lo + S * q, hi, ahead);
+      linear_few_rows<MM, 1, U, Loc, L>(x, ldx, w, ldw, K, bias, y, ldy, lo + S * q, hi, ahead);
 }
 
-// The last K % kLanes columns (none for SmolLM2's 576 and 1536), added to y one float at a time
-// once the vector loop has written it. In that loop, a zero-padded vector for them, read lane by
-// lane, became branches that GCC laid out among the sums; kept out, the loop stays plain.
+// The last K % lanes columns (none for SmolLM2's 576 and 1536), added to y a float at a time
+// after the vector loop: a zero-padded vector for them there became branches among the sums.
 __attribute__((noinline)) void add_tail_columns(const float* x, int64_t ldx, int64_t M,
                                                 const float* w, int64_t ldw, int64_t K, float* y,
-                                                int64_t ldy, int64_t lo, int64_t hi) {
+                                                int64_t ldy, int64_t lo, int64_t hi, int lanes) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = lo; n < hi; ++n) {
       float s = 0.0f;
-      for (int64_t k = K - K % kLanes; k < K; ++k) s += x[m * ldx + k] * w[n * ldw + k];
+      for (int64_t k = K - K % lanes; k < K; ++k) s += x[m * ldx + k] * w[n * ldw + k];
       y[m * ldy + n] += s;
     }
 }
 
-// Output features [lo, hi) for 1 to 7 rows of x (8 and more: part 2), prefetching `ahead`
-// floats ahead with hint Loc from 2 rows on. Streams x sums, as measured in the decode step
-// (the chapter's table): 4 x 2 at one row, 4 x 1 at two and three, 3 x 1 at four, then 2 x 1.
+// Output features [lo, hi) for 1 to 7 rows of x (8 and more: part 2). Streams x sums, measured
+// in the step (the chapter's table): 4 x 2 at 1 row, 4 x 1 at 2-3, 3 x 1 at 4, then 2 x 1.
 std::atomic<int64_t> g_ran_locality{-1}, g_ran_ahead{-1};  // for tests: the last prefetch run
-
 template <int Loc>
 void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw,
                  int64_t K, const float* bias, float* y, int64_t N, int64_t lo, int64_t hi,
@@ -114,7 +113,8 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t
     case 6: linear_few_rows<6, 2, 1, Loc>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
     default: linear_few_rows<7, 2, 1, Loc>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
   }
-  if (K % kLanes) add_tail_columns(x, ldx, M, w, ldw, K, y, N, lo, hi);
+  const int lanes = M == 1 ? kLanes : kFewLanes;  // the loop's L
+  if (K % lanes) add_tail_columns(x, ldx, M, w, ldw, K, y, N, lo, hi, lanes);
 }
 
 }  // namespace
