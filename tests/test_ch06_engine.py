@@ -530,6 +530,12 @@ def _bad_batch(engine, case):
         reqs[0].table_idx = engine.config.max_running_req  # the dummy's row
     if case == "out_loc outside the pool":
         batch.out_loc = batch.out_loc + engine.kv_cache.num_slots
+    if case == "out_loc one past the pool":  # the first slot the pool does not have
+        batch.out_loc = batch.out_loc.clone()
+        batch.out_loc[-1] = engine.kv_cache.num_slots
+    if case == "out_loc negative":
+        batch.out_loc = batch.out_loc.clone()
+        batch.out_loc[0] = -1
     return batch
 
 
@@ -540,6 +546,8 @@ def _bad_batch(engine, case):
     ("table_idx out of range", IndexError, "outside the page table"),
     ("duplicate table_idx", ValueError, "used by two requests"),
     ("out_loc outside the pool", IndexError, "outside the KV pool"),
+    ("out_loc one past the pool", IndexError, "outside the KV pool"),
+    ("out_loc negative", IndexError, "holds slot -1, outside the KV pool"),
     ("prompt + max tokens > max_seq_len", ValueError, "max_seq_len"),
     ("too many requests", ValueError, "max_running_req"),
     ("decode batch with a prompt", ValueError, "decode"),

@@ -282,32 +282,33 @@ class Engine:
             if t.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"batch.{name} has dtype {t.dtype}: it must hold integers "
                                 "(torch.int32).")
-        want = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs])
-        if not torch.equal(batch.positions.cpu().long(), want):
-            at = int((batch.positions.cpu().long() != want).nonzero()[0])
+        # the values as Python ints, three torch calls in all: a decode step checks a handful of
+        # numbers, and a torch op per check cost more than the checks (after the LM head has
+        # emptied the caches, 10-20 us each)
+        pos, loc, ids = (getattr(batch, n).tolist() for n in ("positions", "out_loc", "input_ids"))
+        want = [p for r in reqs for p in range(r.cached_len, r.device_len)]
+        if pos != want:
+            at = next(i for i, (p, w) in enumerate(zip(pos, want)) if p != w)
             r = reqs[_owner(reqs, at)]
             raise ValueError(f"batch.positions does not match the requests: Req(uid={r.uid}) "
                              f"computes positions cached_len..device_len-1 = {r.cached_len}.."
                              f"{r.device_len - 1}, but position {at} of the batch holds "
-                             f"{int(batch.positions[at])}: rebuild positions from the requests.")
+                             f"{pos[at]}: rebuild positions from the requests.")
         slots = self.kv_cache.num_slots
-        lo, hi = torch.aminmax(batch.out_loc)
-        if int(lo) < 0 or int(hi) >= slots:
-            raise IndexError(f"batch.out_loc holds slot {int(lo) if lo < 0 else int(hi)}, "
+        if loc and (min(loc) < 0 or max(loc) >= slots):
+            raise IndexError(f"batch.out_loc holds slot {min(loc) if min(loc) < 0 else max(loc)}, "
                              f"outside the KV pool's slots 0..{slots - 1}: fill the page table "
                              f"with slots below {slots - self.config.page_size} (the last page "
                              "is the dummy's).")
-        if batch.is_prefill and torch.unique(batch.out_loc).numel() != total:
+        if batch.is_prefill and len(set(loc)) != total:
             raise ValueError("batch.out_loc repeats a KV slot: two tokens of this prefill would "
                              "write the same place in the pool; give every token its own slot "
                              "(each request its own page-table row and pages).")
         vocab = self.config.model_config.vocab_size
-        ids = batch.input_ids
-        lo, hi = torch.aminmax(ids)  # one pass over the ids
-        if int(lo) < 0 or int(hi) >= vocab:
-            at = int(((ids < 0) | (ids >= vocab)).nonzero()[0])  # the first bad token
-            r = reqs[_owner(reqs, at)]
-            raise ValueError(f"batch.input_ids holds token id {int(ids[at])} (Req(uid={r.uid})),"
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:  # the first bad token
+            r = reqs[_owner(reqs, bad)]
+            raise ValueError(f"batch.input_ids holds token id {ids[bad]} (Req(uid={r.uid})),"
                              f" outside the vocabulary 0..{vocab - 1}: token ids come from this "
                              "model's tokenizer; check the prompt's ids.")
 
