@@ -305,8 +305,8 @@ class Engine:
                              "write the same place in the pool; give every token its own slot "
                              "(each request its own page-table row and pages).")
         vocab = self.config.model_config.vocab_size
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:  # the first bad token
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)  # the first bad one
             r = reqs[_owner(reqs, bad)]
             raise ValueError(f"batch.input_ids holds token id {ids[bad]} (Req(uid={r.uid})),"
                              f" outside the vocabulary 0..{vocab - 1}: token ids come from this "
