@@ -230,7 +230,7 @@ class Engine:
 
     def _check_batch(self, batch: Batch) -> None:
         """The batch is padded, filled and prepared, fits this Engine, and its fields agree with
-        its requests: a loop over the requests and a few passes over [T] tensors."""
+        its requests: a loop over the requests, and over the [T] values as Python ints."""
         padded = batch.padded_size  # raises when pad_batch was not called
         for name in ("input_ids", "positions", "out_loc"):
             if getattr(batch, name) is None:
