@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.measure import cpu_info
+from benchmarks.measure import c_compiler, cpu_info
 
 CXX_SOURCE = r"""
 #include <algorithm>
@@ -40,7 +40,13 @@ CXX_SOURCE = r"""
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 template <typename V> V ld(const float* p) { V v; std::memcpy(&v, p, sizeof(V)); return v; }
-template <typename V> void in_register(V& v) { asm volatile("" : "+x"(v)); }
+template <typename V> void in_register(V& v) {  // as common.h's: v stays in a register
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm volatile("" : "+w"(v));
+#endif
+}
 
 // part 1's loop: MM rows of x, S streams, U sums per row and stream, L = sizeof(V) / 4 floats
 template <typename V, int MM, int S, int U>
@@ -155,7 +161,6 @@ int main(int argc, char** argv) {  // rounds: prints variant, round, seconds
 
 def main() -> None:
     import argparse
-    import shutil
     import statistics
 
     ap = argparse.ArgumentParser(description=__doc__,
@@ -164,10 +169,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be 1 or more, got {args.rounds}")
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        raise SystemExit("bench_few_rows_width needs a C++ compiler (g++ or clang++) on PATH, as "
-                         "the kernels of chapter 07 do")
+    cxx = c_compiler("bench_few_rows_width", cxx=True)
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "width.cpp", Path(tmp) / "width"
         src.write_text(CXX_SOURCE)

@@ -199,15 +199,18 @@ class ReadPass:
         return self.x.numel() * 4 / statistics.median(times)
 
 
-def c_compiler(who: str) -> str:
-    """The system's C compiler, for a benchmark (``who``) that builds a small C program."""
+def c_compiler(who: str, cxx: bool = False) -> str:
+    """The system's C compiler (``cxx``: its C++ compiler), for a benchmark (``who``) that builds
+    a small program of its own."""
     import shutil
 
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        raise SystemExit(f"{who} needs a C compiler (cc, gcc or clang) on PATH: install one "
-                         "(apt install gcc), as the kernels of chapter 07 need one too")
-    return cc
+    names = ("g++", "c++", "clang++") if cxx else ("cc", "gcc", "clang")
+    found = next((p for p in map(shutil.which, names) if p), None)
+    if found is None:
+        raise SystemExit(f"{who} needs a {'C++' if cxx else 'C'} compiler ({', '.join(names)}) "
+                         "on PATH: install one (apt install g++), as the kernels of chapter 07 "
+                         "need one too")
+    return found
 
 
 def weight_bytes(model_path: str | Path) -> int:

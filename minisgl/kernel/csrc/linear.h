@@ -17,15 +17,15 @@ namespace {
 // rows: in_register (common.h) keeps them there. Left alone, GCC 12's AVX-512 build read them
 // again inside the FMAs (21 loads for 12 FMAs at 4 rows: half the speed in L2 on a Zen 4). Rows
 // of x the registers cannot hold (AVX2, 4 rows and more) are read from L1 by every stream.
-// Width. L floats a vector: kLanes, but 8 from 2 rows on in an AVX-512 build. A Zen 4 runs a
-// 16-float FMA as two halves, and 16 took 1.03-1.16x the step at 4-7 rows; 1 row keeps 16.
+// Width. L floats a vector: kLanes, but 8 at 2-8 rows in an AVX-512 build (lanes_for_rows, also
+// part 2's): a Zen 4 runs a 16-float FMA as two halves; 16 took 1.03-1.16x the step at 4-7 rows.
 // Prefetch. From 2 rows of x on, the loop also asks for each stream's line `ahead` floats on
 // (with more instructions between two lines the core looks less far ahead), with hint Loc: 0
 // non-temporal (prefetchnta on x86), 1 into L2 (prefetcht2). At 2 to 4 rows a Zen 2's step did
 // best with the first, a Zen 4's with the second: part 5 tunes both, per row count, in the calls.
 // Never inlined: each instance gets registers of its own, and a test reads its inner loop.
-constexpr int kFewLanes = kLanes == 16 ? 8 : kLanes;  // L from 2 rows on ("Width" above)
-template <int MM, int S, int U, int Loc, int L = MM == 1 ? kLanes : kFewLanes>
+constexpr int lanes_for_rows(int64_t M) { return kLanes == 16 && M > 1 && M <= 8 ? 8 : kLanes; }
+template <int MM, int S, int U, int Loc, int L = lanes_for_rows(MM)>
 __attribute__((noinline)) void linear_few_rows(const float* x, int64_t ldx, const float* w,
                                                int64_t ldw, int64_t K, const float* bias,
                                                float* y, int64_t ldy, int64_t lo, int64_t hi,
@@ -113,7 +113,7 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t
     case 6: linear_few_rows<6, 2, 1, Loc>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
     default: linear_few_rows<7, 2, 1, Loc>(x, ldx, w, ldw, K, bias, y, N, lo, hi, ahead); break;
   }
-  const int lanes = M == 1 ? kLanes : kFewLanes;  // the loop's L
+  const int lanes = lanes_for_rows(M);  // the loop's L
   if (K % lanes) add_tail_columns(x, ldx, M, w, ldw, K, y, N, lo, hi, lanes);
 }
 
@@ -188,9 +188,6 @@ __attribute__((noinline)) void linear_rows_t(const float* xt, int64_t M, const f
       }
   }
 }
-
-// The vector width for M rows: 8 floats for up to 8 rows in an AVX-512 build, else kLanes.
-int64_t lanes_for_rows(int64_t M) { return kLanes == 16 && M <= 8 ? 8 : kLanes; }
 
 // The rows [lo, hi) of y from xt (`lanes` floats a vector, mv vectors a column): 12 sums a
 // tile (12 of AVX2's 16 vector registers; the others hold x and a broadcast), except with one
