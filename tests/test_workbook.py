@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -390,6 +391,19 @@ SOLUTION_FAILURES = {
                                  "cell 1: solution markers are allowed only in %%writefile"),
     "marker-not-own-line": ([wf("x = 1  # END SOLUTION")], True,
                             "cell 1 line 2: a marker must be a comment line of its own"),
+    "prose-too-long": (["## Ops\n" + "word " * wb.MAX_PROSE_WORDS], True,
+                       (f"cell 1: {wb.MAX_PROSE_WORDS + 2} words of prose, more than the "
+                        f"{wb.MAX_PROSE_WORDS} a markdown cell may show")),
+    "details-unclosed": (["## Ops\n<details><summary>Measured</summary>\n\n`x` grew."], True,
+                         "cell 1: 1 `<details>` and 0 `</details>`"),
+    "details-without-summary": (["## Ops\n<details>\n\nx grew\n\n</details>"], True,
+                                "cell 1: a `<details>` block without `<summary>`"),
+    "details-markdown-as-typed": (
+        ["## Ops\n1. Why?\n   <details><summary>Answer</summary>Because\n   `x` grew.</details>"],
+        True, "cell 1: markdown in a `<details>` block with no blank line after its `<summary>`"),
+    "details-emphasis-as-typed": (
+        ["## Ops\n<details><summary>Answer</summary>Only the *new* row.</details>"],
+        True, "cell 1: markdown in a `<details>` block with no blank line after its `<summary>`"),
     "cell-too-long": ([wf(*[f"x{i} = {i}" for i in range(wb.MAX_CELL_LINES + 1)])], True,
                       (f"cell 1: {wb.MAX_CELL_LINES + 1} lines for minisgl/ops.py, more than the "
                        f"{wb.MAX_CELL_LINES} a cell may write")),
@@ -416,6 +430,65 @@ def test_a_cell_of_max_cell_lines_is_accepted(tmp_path: Path, capsys):
     assert cli(tmp_path, capsys, "build")[0] == 0
     code, out = cli(tmp_path, capsys, "check")
     assert code == 0, out
+
+
+def test_a_markdown_cell_at_the_prose_limit_is_accepted(tmp_path: Path, capsys):
+    """Only running text counts: what `<details>` folds, tables, fenced pictures and an answer
+    of plain words on the summary's line are free."""
+    (tmp_path / "tools").mkdir()
+    text = "## " + "word " * (wb.MAX_PROSE_WORDS - 1)  # "##" is a word too
+    folded = "<details><summary>Measured</summary>\n\n" + "`w` " * 900 + "\n\n</details>"
+    table = "| a | b |\n|---|---|\n" + "| many words in a row | here |\n" * 200
+    fenced = "```\n" + "x ─► y\n" * 200 + "```"
+    answer = "<details><summary>Answer</summary>Three: the\n   prefill and two steps.</details>"
+    cell = f"{text}\n\n{folded}\n\n{table}\n\n{fenced}\n\n{answer}"
+    assert wb.prose_words(cell) == wb.MAX_PROSE_WORDS
+    save(tmp_path / "solutions" / "01_ops.ipynb", make_nb("01", cell, OPS, test=True))
+    assert cli(tmp_path, capsys, "build")[0] == 0
+    code, out = cli(tmp_path, capsys, "check")
+    assert code == 0, out
+
+
+def _rendered_details(markdown: str) -> list[str]:
+    from markdown_it import MarkdownIt
+
+    html = MarkdownIt("commonmark").enable("table").render(markdown)
+    return re.findall(r"<details>.*?</details>", html, re.DOTALL)
+
+
+def test_every_folded_block_in_the_chapters_renders_its_markdown():
+    """An independent CommonMark renderer (markdown-it, as JupyterLab's follows the same rules
+    for HTML blocks) must leave no backtick or emphasis star as typed inside any `<details>`
+    block of the chapters; and the rule `check` applies must say the same of a block as it."""
+    seen = 0
+    for path in sorted((REPO / "solutions").glob("*.ipynb")):
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type != "markdown" or "<details>" not in cell.source:
+                continue
+            for block in _rendered_details(cell.source):
+                seen += 1
+                text = re.sub(r"<code>.*?</code>", "", block, flags=re.DOTALL)
+                assert "`" not in text and not re.search(r"(?<![\w*])\*[^\s*]", text), (
+                    f"{path.name} cell {i}: a folded block shows markdown as typed: {block[:300]}")
+    assert seen >= 30  # the checkpoint answers and chapter 07's measurements
+
+
+@pytest.mark.parametrize("block, flagged", [
+    ("<details><summary>A</summary>Plain words\n   on two lines.</details>", False),
+    ("<details><summary>A</summary>See `x`\n   here.</details>", True),
+    ("<details><summary>A</summary>Only *after* it.</details>", True),
+    ("<details><summary>A</summary>**Bold** it.</details>", True),
+    ("<details><summary>A</summary>\n\nSee `x` and *after*.\n\n</details>", False),
+])
+def test_the_rule_for_folded_blocks_agrees_with_a_renderer(block: str, flagged: bool):
+    """`check` flags a block exactly when a CommonMark renderer would show markdown as typed."""
+    cell = "1. Why?\n   " + block
+    problems = [p for p in wb.markdown_problems(cell) if "as typed" in p]
+    shown = _rendered_details(cell)
+    assert len(shown) == 1
+    text = re.sub(r"<code>.*?</code>", "", shown[0], flags=re.DOTALL)
+    as_typed = "`" in text or "*" in text
+    assert bool(problems) == flagged == as_typed, (problems, shown)
 
 
 def test_check_reports_module_written_by_two_notebooks(built: Path, capsys):

@@ -59,6 +59,44 @@ PART = re.compile(r"^(?:#|//) --- part (\d+): (\S.*?) ---[ \t]*$")  # `//` in C+
 # cell can be read whole, with the prose that explains it next to it. A longer module is written
 # by several cells, one part each.
 MAX_CELL_LINES = 120
+# The most words of prose a markdown cell may show (tables, fenced code and pictures, and what
+# `<details>` blocks fold away, not counted): about a screen of reading before the next cell. A
+# measurement log grows one paragraph at a time; its numbers go in a `<details>` block, its idea
+# stays in sight.
+MAX_PROSE_WORDS = 750
+DETAILS = re.compile(r"<details>.*?</details>", re.DOTALL)
+FENCED = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+# what a raw HTML block leaves as typed: code, emphasis, tables, lists, headings
+MARKUP = re.compile(r"`|(?<![\w*])\*[^\s*]|\*\*|^\s*(?:\||[-*] |#)", re.MULTILINE)
+
+
+def prose_words(markdown: str) -> int:
+    """Words of ``markdown`` a reader meets as running text: outside ``<details>`` blocks,
+    fenced code and table rows."""
+    text = FENCED.sub("", DETAILS.sub("", markdown))
+    return sum(len(line.split()) for line in text.splitlines()
+               if not line.lstrip().startswith("|"))
+
+
+def markdown_problems(src: str) -> list[str]:
+    """What keeps a markdown cell from reading well, or its folded blocks from rendering."""
+    errors = []
+    if (words := prose_words(src)) > MAX_PROSE_WORDS:
+        errors.append(f"{words} words of prose, more than the {MAX_PROSE_WORDS} a markdown cell "
+                      "may show: keep the idea in sight and fold its measurements into "
+                      "`<details><summary>Measured: ...</summary>` (a blank line after the "
+                      "summary line), or give the next idea a cell of its own")
+    if src.count("<details>") != src.count("</details>"):
+        errors.append(f"{src.count('<details>')} `<details>` and {src.count('</details>')} "
+                      "`</details>`: close each folded block")
+    for block in DETAILS.findall(src):
+        if "<summary>" not in block:
+            errors.append("a `<details>` block without `<summary>`: name what it folds")
+        elif MARKUP.search(block) and not re.search(r"</summary>[ \t]*\n[ \t]*\n", block):
+            errors.append("markdown in a `<details>` block with no blank line after its "
+                          "`<summary>`: JupyterLab shows it as typed (`code` with its "
+                          "backticks); put a blank line after the summary line")
+    return errors
 
 
 class WorkbookError(Exception):
@@ -261,6 +299,8 @@ def parse_chapter(nn: str, name: str, nb: dict) -> Chapter:
         src, where = cell_source(cell), f"solutions/{name} cell {i}"
         parsed = parse_writefile(src) if cell.get("cell_type") == "code" else None
         if parsed is None:
+            if cell.get("cell_type") == "markdown":
+                chap.problems += [f"{where}: {e}" for e in markdown_problems(src)]
             if "BEGIN SOLUTION" in src or "END SOLUTION" in src:
                 chap.problems.append(f"{where}: solution markers are allowed only in %%writefile "
                                      "cells")
