@@ -401,6 +401,9 @@ SOLUTION_FAILURES = {
     "details-markdown-as-typed": (
         ["## Ops\n1. Why?\n   <details><summary>Answer</summary>Because\n   `x` grew.</details>"],
         True, "cell 1: markdown in a `<details>` block with no blank line after its `<summary>`"),
+    "details-markdown-in-summary": (
+        ["## Ops\n<details><summary>Measured: `bench.py`</summary>\n\n12 ms\n\n</details>"],
+        True, "cell 1: markdown in a `<summary>`, which shows it as typed"),
     "details-emphasis-as-typed": (
         ["## Ops\n<details><summary>Answer</summary>Only the *new* row.</details>"],
         True, "cell 1: markdown in a `<details>` block with no blank line after its `<summary>`"),
@@ -478,6 +481,7 @@ def test_every_folded_block_in_the_chapters_renders_its_markdown():
     ("<details><summary>A</summary>See `x`\n   here.</details>", True),
     ("<details><summary>A</summary>Only *after* it.</details>", True),
     ("<details><summary>A</summary>**Bold** it.</details>", True),
+    ("<details><summary>A</summary>\n   See `x` on the next line.\n   </details>", True),
     ("<details><summary>A</summary>\n\nSee `x` and *after*.\n\n</details>", False),
 ])
 def test_the_rule_for_folded_blocks_agrees_with_a_renderer(block: str, flagged: bool):

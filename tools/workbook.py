@@ -92,6 +92,9 @@ def markdown_problems(src: str) -> list[str]:
     for block in DETAILS.findall(src):
         if "<summary>" not in block:
             errors.append("a `<details>` block without `<summary>`: name what it folds")
+        elif MARKUP.search(re.search(r"<summary>(.*?)</summary>", block, re.DOTALL)[1]):
+            errors.append("markdown in a `<summary>`, which shows it as typed: write code there "
+                          "as `<code>...</code>`")
         elif MARKUP.search(block) and not re.search(r"</summary>[ \t]*\n[ \t]*\n", block):
             errors.append("markdown in a `<details>` block with no blank line after its "
                           "`<summary>`: JupyterLab shows it as typed (`code` with its "
