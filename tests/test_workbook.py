@@ -395,18 +395,33 @@ SOLUTION_FAILURES = {
                        (f"cell 1: {wb.MAX_PROSE_WORDS + 2} words of prose, more than the "
                         f"{wb.MAX_PROSE_WORDS} a markdown cell may show")),
     "details-unclosed": (["## Ops\n<details><summary>Measured</summary>\n\n`x` grew."], True,
-                         "cell 1: 1 `<details>` and 0 `</details>`"),
+                         "cell 1: a `<details>` that never closes"),
     "details-without-summary": (["## Ops\n<details>\n\nx grew\n\n</details>"], True,
-                                "cell 1: a `<details>` block without `<summary>`"),
+                                "cell 1: a `<details>` block without a `<summary>`"),
+    "summary-unclosed": (["## Ops\n<details>\n<summary>Answer\n\nx grew.\n\n</details>"], True,
+                         "cell 1: a `<summary>` that never closes"),
+    "details-closed-by-its-list": (
+        ["## Ops\n1. Why?\n   <details><summary>Answer</summary>\n\nx grew.\n\n</details>"],
+        True, "cell 1: a `<details>` that ends with the block around it"),
+    "details-close-indented": (
+        ["## Ops\n<details><summary>A</summary>\n\nx grew.\n\n        </details>"],
+        True, "cell 1: lines indented 4 spaces or more became a code block"),
+    "details-stray-close": (["## Ops\nx grew.\n\n</details>"], True,
+                            "cell 1: a `</details>` with no block to close"),
+    "indented-code-block": (["## Ops\n<details><summary>A</summary>\n\n    x **grew**.\n\n</details>"],
+                            True, "cell 1: lines indented 4 spaces or more became a code block"),
     "details-markdown-as-typed": (
         ["## Ops\n1. Why?\n   <details><summary>Answer</summary>Because\n   `x` grew.</details>"],
-        True, "cell 1: markdown in a `<details>` block with no blank line after its `<summary>`"),
+        True, "cell 1: a folded block shows markdown as typed ('`')"),
     "details-markdown-in-summary": (
         ["## Ops\n<details><summary>Measured: `bench.py`</summary>\n\n12 ms\n\n</details>"],
-        True, "cell 1: markdown in a `<summary>`, which shows it as typed"),
+        True, "cell 1: a folded block shows markdown as typed ('`')"),
     "details-emphasis-as-typed": (
         ["## Ops\n<details><summary>Answer</summary>Only the *new* row.</details>"],
-        True, "cell 1: markdown in a `<details>` block with no blank line after its `<summary>`"),
+        True, "cell 1: a folded block shows markdown as typed ('*new*')"),
+    "details-table-as-typed": (
+        ["## Ops\n<details>\n<summary>Measured</summary>\n| n | ms |\n|---|---|\n| 1 | 2 |\n</details>"],
+        True, "cell 1: a folded block shows markdown as typed"),
     "cell-too-long": ([wf(*[f"x{i} = {i}" for i in range(wb.MAX_CELL_LINES + 1)])], True,
                       (f"cell 1: {wb.MAX_CELL_LINES + 1} lines for minisgl/ops.py, more than the "
                        f"{wb.MAX_CELL_LINES} a cell may write")),
@@ -453,16 +468,18 @@ def test_a_markdown_cell_at_the_prose_limit_is_accepted(tmp_path: Path, capsys):
 
 
 def _rendered_details(markdown: str) -> list[str]:
-    from markdown_it import MarkdownIt
+    """The folded blocks of ``markdown`` as mistune renders them: nbconvert's renderer, not the
+    one `check` uses (markdown-it), so the two are checked against each other."""
+    import mistune
 
-    html = MarkdownIt("commonmark").enable("table").render(markdown)
+    html = mistune.create_markdown(escape=False, plugins=["table"])(markdown)
     return re.findall(r"<details>.*?</details>", html, re.DOTALL)
 
 
 def test_every_folded_block_in_the_chapters_renders_its_markdown():
-    """An independent CommonMark renderer (markdown-it, as JupyterLab's follows the same rules
+    """A second renderer (mistune, nbconvert's; JupyterLab's follows the same CommonMark rules
     for HTML blocks) must leave no backtick or emphasis star as typed inside any `<details>`
-    block of the chapters; and the rule `check` applies must say the same of a block as it."""
+    block of the chapters."""
     seen = 0
     for path in sorted((REPO / "solutions").glob("*.ipynb")):
         for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
@@ -485,7 +502,7 @@ def test_every_folded_block_in_the_chapters_renders_its_markdown():
     ("<details><summary>A</summary>\n\nSee `x` and *after*.\n\n</details>", False),
 ])
 def test_the_rule_for_folded_blocks_agrees_with_a_renderer(block: str, flagged: bool):
-    """`check` flags a block exactly when a CommonMark renderer would show markdown as typed."""
+    """`check` flags a block exactly when a second renderer (mistune) shows markdown as typed."""
     cell = "1. Why?\n   " + block
     problems = [p for p in wb.markdown_problems(cell) if "as typed" in p]
     shown = _rendered_details(cell)

@@ -41,6 +41,7 @@ import tempfile
 import time
 import types
 from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,10 +65,14 @@ MAX_CELL_LINES = 120
 # measurement log grows one paragraph at a time; its numbers go in a `<details>` block, its idea
 # stays in sight.
 MAX_PROSE_WORDS = 750
-DETAILS = re.compile(r"<details>.*?</details>", re.DOTALL)
-FENCED = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
-# what a raw HTML block leaves as typed: code, emphasis, tables, lists, headings
-MARKUP = re.compile(r"`|(?<![\w*])\*[^\s*]|\*\*|^\s*(?:\||[-*] |#)", re.MULTILINE)
+DETAILS = re.compile(r"<details\b[^>]*>.*?</details\s*>", re.DOTALL | re.IGNORECASE)
+FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```", re.DOTALL | re.MULTILINE)
+# markdown that a renderer left as typed, in the text of a folded block: code, strong, emphasis,
+# and at the start of a line what would have broken a paragraph: a heading, a list's first item,
+# a quote, or a table's delimiter row
+AS_TYPED = re.compile(r"`|\*\*|__|(?<![\w*])\*[^\s*][^*\n]*\*|(?<!\w)_[^\s_][^_\n]*_(?!\w)"
+                      r"|^[ \t]*(?:#{1,6} |[-*+] |1[.)] |>|\|?[ \t]*:?-{3,}[ \t]*\|)",
+                      re.MULTILINE)
 
 
 def prose_words(markdown: str) -> int:
@@ -78,28 +83,91 @@ def prose_words(markdown: str) -> int:
                if not line.lstrip().startswith("|"))
 
 
+class _Folds(HTMLParser):
+    """Reads a markdown cell rendered as JupyterLab renders it (CommonMark): the elements open
+    at each point, and each ``<details>`` block's summary and text."""
+
+    VOID = frozenset({"br", "hr", "img", "input", "wbr", "col", "area", "source", "embed"})
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.open: list[str] = []
+        self.folds: list[list] = []  # per open <details>: [has a <summary>, its text]
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs) -> None:
+        if tag in self.VOID:
+            return
+        if tag == "summary" and self.open[-1:] == ["details"]:
+            self.folds[-1][0] = True
+        if tag == "details":
+            self.folds.append([False, []])
+        self.open.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag not in self.open:
+            if tag == "details":
+                self.errors.append("a `</details>` with no block to close: it is indented 4 "
+                                   "spaces or more, or its `<details>` is in another block")
+            return
+        while (top := self.open.pop()) != tag:  # elements closed by an outer end tag
+            if top == "summary":
+                self.errors.append("a `<summary>` that never closes: end it on its own line")
+            elif top == "details":
+                self._fold_ends()
+                self.errors.append(f"a `<details>` that ends with the block around it (at "
+                                   f"`</{tag}>`): open and close it at one indentation, in one "
+                                   "list item or quote")
+        if top == "details":
+            self._fold_ends()
+
+    def handle_data(self, data: str) -> None:
+        if self.folds and not {"code", "pre"} & set(self.open):
+            self.folds[-1][1].append(data)
+
+    def _fold_ends(self) -> None:
+        has_summary, text = self.folds.pop()
+        if not has_summary:
+            self.errors.append("a `<details>` block without a `<summary>` right inside it: "
+                               "name what it folds")
+        if typed := AS_TYPED.search("".join(text)):
+            self.errors.append(f"a folded block shows markdown as typed ({typed[0].strip()!r}): "
+                               "leave a blank line after the `<summary>...</summary>` line and "
+                               "before `</details>`; in a summary, write code as `<code>`")
+        if self.folds:
+            self.folds[-1][1] += text
+
+    def problems(self, rendered: str) -> list[str]:
+        self.feed(rendered)
+        self.close()
+        if "details" in self.open:
+            self.errors.append("a `<details>` that never closes folds away the rest of the cell: "
+                               "end it with `</details>` after a blank line")
+            for _ in range(self.open.count("details")):
+                self._fold_ends()
+        return list(dict.fromkeys(self.errors))
+
+
 def markdown_problems(src: str) -> list[str]:
-    """What keeps a markdown cell from reading well, or its folded blocks from rendering."""
+    """What keeps a markdown cell from reading well, or from rendering as its author meant:
+    the cell rendered with markdown-it (CommonMark, as JupyterLab renders it), then read."""
+    try:
+        from markdown_it import MarkdownIt
+    except ImportError:
+        raise WorkbookError("check renders the chapters' markdown with markdown-it-py, which is "
+                            "not installed here: pip install -e '.[dev]'") from None
     errors = []
     if (words := prose_words(src)) > MAX_PROSE_WORDS:
         errors.append(f"{words} words of prose, more than the {MAX_PROSE_WORDS} a markdown cell "
                       "may show: keep the idea in sight and fold its measurements into "
                       "`<details><summary>Measured: ...</summary>` (a blank line after the "
                       "summary line), or give the next idea a cell of its own")
-    if src.count("<details>") != src.count("</details>"):
-        errors.append(f"{src.count('<details>')} `<details>` and {src.count('</details>')} "
-                      "`</details>`: close each folded block")
-    for block in DETAILS.findall(src):
-        if "<summary>" not in block:
-            errors.append("a `<details>` block without `<summary>`: name what it folds")
-        elif MARKUP.search(re.search(r"<summary>(.*?)</summary>", block, re.DOTALL)[1]):
-            errors.append("markdown in a `<summary>`, which shows it as typed: write code there "
-                          "as `<code>...</code>`")
-        elif MARKUP.search(block) and not re.search(r"</summary>[ \t]*\n[ \t]*\n", block):
-            errors.append("markdown in a `<details>` block with no blank line after its "
-                          "`<summary>`: JupyterLab shows it as typed (`code` with its "
-                          "backticks); put a blank line after the summary line")
-    return errors
+    md = MarkdownIt("commonmark").enable("table")
+    tokens = md.parse(src)
+    if any(t.type == "code_block" for t in tokens):
+        errors.append("lines indented 4 spaces or more became a code block: indent less, or "
+                      "fence code with ```")
+    return errors + _Folds().problems(md.renderer.render(tokens, md.options, {}))
 
 
 class WorkbookError(Exception):
