@@ -154,20 +154,26 @@ void linear_tile_t(const float* xt, const float* const* wr, int64_t K, int64_t p
 }
 
 // Output features [lo, hi) for all M rows, TR weight rows at a time (as linear_rows above).
-// The tiles' sums go to a small buffer first, kStaged tiles of them, and from there to y row by
-// row. y's M rows are N floats apart, and where N is a multiple of 1024 (gate_up's 3072, the LM
+// The tiles' sums go to a small buffer first, a group of tiles' worth, and from there to y row
+// by row. y's M rows are N floats apart, and where N is a multiple of 1024 (gate_up's 3072, the LM
 // head's 49152) that is a multiple of 4 KB: all M rows fall into one set of L1 (8 lines), and of
 // L2 too for multiples of 64 KB. Written output by output, each tile went over those M lines TR
 // times in turn, more lines than the set holds, and missed on most stores.
 // Never inlined: a test finds each instance in the compiled library and reads its inner loop
 // (tests/test_ch07_kernels.py: the sums stay in registers with 4, 8 and 16-float vectors).
-constexpr int kStaged = 2;  // tiles (1 to 4 measured alike on AVX2, 8 no better than none)
+// Tiles a group stages: 2 (1 to 4 measured alike on AVX2, 8 no better than none), or more, so
+// that a group holds whole blocks of L outputs for write_sums_t (AVX2's 6-row tiles: 4).
+constexpr int staged_tiles(int TR, int L) {
+  int outputs = 2 * TR;
+  while (outputs % L != 0) outputs += TR;
+  return outputs / TR;
+}
 // The threads' chunks are a multiple of kChunkRowStep weight rows: a whole number of every
 // tile (3 of 8, 4 of 6, 6 of 4, 8 of 3), so that only the call's last tile can be short.
 constexpr int64_t kChunkRowStep = 24;
 
-// Part 3: a group's sums from yt (a row of W floats per output) to y, in W x W blocks.
-template <int W, int G>
+// Part 3: a group's sums from yt (a row of W floats per output) to y, in L x L blocks.
+template <int L, int W>
 void write_sums_t(const float* yt, int64_t M, const float* bias, float* y, int64_t N,
                   int64_t g0, int64_t nn);
 
@@ -176,9 +182,10 @@ __attribute__((noinline)) void linear_rows_t(const float* xt, int64_t M, const f
                                              int64_t ldw, int64_t K, const float* bias, float* y,
                                              int64_t N, int64_t lo, int64_t hi) {
   static_assert(kChunkRowStep % TR == 0, "a chunk must hold whole tiles: change kChunkRowStep");
-  alignas(64) float yt[kStaged * TR * MV * L] = {};  // row r: output g0 + r, a lane per row of x
-  for (int64_t g0 = lo; g0 < hi; g0 += kStaged * TR) {
-    const int64_t g1 = std::min<int64_t>(hi, g0 + kStaged * TR);
+  constexpr int G = staged_tiles(TR, L) * TR;  // outputs a group
+  alignas(64) float yt[G * MV * L];  // row r: output g0 + r, one lane per row of x
+  for (int64_t g0 = lo; g0 < hi; g0 += G) {
+    const int64_t g1 = std::min<int64_t>(hi, g0 + G);
     for (int64_t n0 = g0; n0 < g1; n0 += TR) {
       const int64_t nn = std::min<int64_t>(TR, hi - n0);
       const float* wr[TR];  // a short last tile repeats its last row (never written to y)
@@ -186,16 +193,7 @@ __attribute__((noinline)) void linear_rows_t(const float* xt, int64_t M, const f
       const int64_t pf = n0 + 2 * TR <= hi ? TR * ldw : 0;
       linear_tile_t<L, MV, TR>(xt, wr, K, pf, yt + (n0 - g0) * MV * L);
     }
-    constexpr int W = MV * L, G = kStaged * TR;  // yt: G rows of W floats
-    if constexpr ((W == 8 || W == 16) && G % W == 0) {  // AVX-512 at 8-16 rows, AVX2 at 8
-      write_sums_t<W, G>(yt, M, bias, y, N, g0, g1 - g0);
-      continue;
-    }
-    for (int64_t m = 0; m < M; ++m)  // each row of y: g1 - g0 consecutive floats
-      for (int64_t n = g0; n < g1; ++n) {
-        const float s = yt[(n - g0) * MV * L + m];
-        y[m * N + n] = bias ? s + bias[n] : s;
-      }
+    write_sums_t<L, MV * L>(yt, M, bias, y, N, g0, g1 - g0);  // each row of y: g1 - g0 floats
   }
 }
 
@@ -243,26 +241,29 @@ inline void transpose_block(typename VecOf<W>::type* r) {  // r[i][l] becomes r[
   }
 }
 
-// The sums of a group of nn <= G outputs, staged in yt (output g0 + i in row i, its W lanes the
-// rows of x), to y, whose rows hold the outputs: W x W blocks of yt transposed, so that each row
-// of y gets its outputs as whole vectors, not a float at a time (M x G scalar loads and stores
-// took 1.02x-1.05x the batch-16 step).
-template <int W, int G>
+// The sums of a group of nn outputs, staged in yt (output g0 + i in row i, its W lanes the rows
+// of x, zeros past row M), to y, whose rows hold the outputs: L x L blocks of yt transposed, so
+// that each row of y gets L outputs at a time, not a float at a time (M x nn scalar loads and
+// stores took 1.02x-1.05x the batch-16 step). A short last block reads only yt's first n rows.
+template <int L, int W>
 void write_sums_t(const float* yt, int64_t M, const float* bias, float* y, int64_t N,
                   int64_t g0, int64_t nn) {
-  typedef typename VecOf<W>::type vec;
-  for (int64_t b0 = 0; b0 < nn; b0 += W) {  // outputs g0 + b0 ...: one block
-    const int64_t n = std::min<int64_t>(W, nn - b0);
-    vec r[W];
-    for (int i = 0; i < W; ++i) r[i] = load_vec<W>(yt + (b0 + i) * W);
-    transpose_block<W>(r);  // r[m]: row m's outputs (M <= W: the rows of x fill W lanes)
+  typedef typename VecOf<L>::type vec;
+  for (int64_t b0 = 0; b0 < nn; b0 += L) {  // outputs g0 + b0 ... g0 + b0 + n - 1
+    const int64_t n = std::min<int64_t>(L, nn - b0);
     vec b = {};
     if (bias) std::memcpy(&b, bias + g0 + b0, n * sizeof(float));
-    for (int64_t m = 0; m < M; ++m) {
-      if (bias) r[m] += b;
-      float* out = y + m * N + g0 + b0;
-      if (n == W) std::memcpy(out, &r[m], sizeof(vec));
-      else std::memcpy(out, &r[m], n * sizeof(float));
+    for (int64_t m0 = 0; m0 < M; m0 += L) {  // rows m0 ... m0 + L - 1 of x
+      vec r[L];  // a whole block: L loads; a short one: its n rows, then zeros
+      for (int i = 0; i < L; ++i)
+        r[i] = n == L || i < n ? load_vec<L>(yt + (b0 + i) * W + m0) : vec{};
+      transpose_block<L>(r);  // r[m - m0]: row m's outputs
+      for (int64_t m = m0; m < std::min<int64_t>(M, m0 + L); ++m) {
+        if (bias) r[m - m0] += b;
+        float* out = y + m * N + g0 + b0;
+        if (n == L) std::memcpy(out, &r[m - m0], sizeof(vec));
+        else for (int64_t i = 0; i < n; ++i) out[i] = r[m - m0][i];
+      }
     }
   }
 }
