@@ -244,7 +244,7 @@ inline void transpose_block(typename VecOf<W>::type* r) {  // r[i][l] becomes r[
 // The sums of a group of nn outputs, staged in yt (output g0 + i in row i, its W lanes the rows
 // of x, zeros past row M), to y, whose rows hold the outputs: L x L blocks of yt transposed, so
 // that each row of y gets L outputs at a time, not a float at a time (M x nn scalar loads and
-// stores took 1.02x-1.05x the batch-16 step). A short last block reads only yt's first n rows.
+// stores took 1.01x-1.09x the batch-16 step). A short last block reads only yt's first n rows.
 template <int L, int W>
 void write_sums_t(const float* yt, int64_t M, const float* bias, float* y, int64_t N,
                   int64_t g0, int64_t nn) {
@@ -254,9 +254,8 @@ void write_sums_t(const float* yt, int64_t M, const float* bias, float* y, int64
     vec b = {};
     if (bias) std::memcpy(&b, bias + g0 + b0, n * sizeof(float));
     for (int64_t m0 = 0; m0 < M; m0 += L) {  // rows m0 ... m0 + L - 1 of x
-      vec r[L];  // a whole block: L loads; a short one: its n rows, then zeros
-      for (int i = 0; i < L; ++i)
-        r[i] = n == L || i < n ? load_vec<L>(yt + (b0 + i) * W + m0) : vec{};
+      vec r[L];  // a short block: its n rows, then zeros
+      for (int i = 0; i < L; ++i) r[i] = i < n ? load_vec<L>(yt + (b0 + i) * W + m0) : vec{};
       transpose_block<L>(r);  // r[m - m0]: row m's outputs
       for (int64_t m = m0; m < std::min<int64_t>(M, m0 + L); ++m) {
         if (bias) r[m - m0] += b;
